@@ -85,8 +85,8 @@ def check_causal_lm_config(config: PretrainedConfig, model_id: str) -> None:
         )
     if archs and not any(a in causal_names or a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise ValueError(
-            f"{model_id} declares architectures {archs}, none of which is a causal language model head; "
-            "IPEXModelForCausalLM needs a *ForCausalLM checkpoint."
+            f"{model_id} declares architectures {archs}: not a causal language model. "
+            "IPEXModelForCausalLM needs a decoder-only *ForCausalLM checkpoint (Llama, Mistral, Qwen2, ...)."
         )
 
 

@@ -6,8 +6,13 @@ This module finds out once per process, without raising, and logs the fallback o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
+import io
+import os
+import sys
+import tempfile
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -75,10 +80,38 @@ def ipex_status() -> IPEXStatus:
             f"{'.'.join(map(str, _major_minor(ipex_version)))}.*, but torch {torch_version} is installed",
         )
     try:
-        import intel_extension_for_pytorch  # noqa: F401
+        with _captured_stderr_fd() as captured:
+            import intel_extension_for_pytorch  # noqa: F401
     except Exception as exc:  # IPEX raises plain Exception/RuntimeError on mismatches
-        return IPEXStatus(False, ipex_version, torch_version, f"importing intel_extension_for_pytorch failed: {exc}")
+        detail = captured.getvalue().strip().splitlines()[-3:] if captured.getvalue() else []
+        return IPEXStatus(
+            False, ipex_version, torch_version, f"importing intel_extension_for_pytorch failed: {exc} {' '.join(detail)}"
+        )
     return IPEXStatus(True, ipex_version, torch_version, None)
+
+
+@contextlib.contextmanager
+def _captured_stderr_fd():
+    """Capture what C++ code writes to file descriptor 2 (IPEX's import prints dozens of
+    "Overriding a previously registered kernel" lines that are not actionable)."""
+    buffer = io.StringIO()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, io.UnsupportedOperation, ValueError):
+        yield buffer
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield buffer
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            buffer.write(tmp.read().decode(errors="replace"))
 
 
 @functools.lru_cache(maxsize=None)

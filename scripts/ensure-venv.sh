@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment of a version lane and print its path.
+#   scripts/ensure-venv.sh ipex28        -> $OIS_VENV_ROOT/ipex28 (default ~/.cache/optimum-ipex-spec/venvs)
+# A venv is reused only when it was built from the same requirement files (sha256 stamp).
+set -euo pipefail
+lane=${1:-ipex28}
+here=$(cd "$(dirname "$0")/.." && pwd)
+req="$here/requirements/$lane.txt"
+data="$here/requirements/real-data.txt"
+[ -f "$req" ] || { echo "unknown lane '$lane': no $req" >&2; exit 2; }
+root=${OIS_VENV_ROOT:-$HOME/.cache/optimum-ipex-spec/venvs}
+venv="$root/$lane"
+stamp=$(cat "$req" "$data" "$here/setup.py" | sha256sum | cut -c1-16)
+quiet_pip() { grep -v "is ignored: it is neither a file nor a directory" || true; }
+if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.ois-stamp" 2>/dev/null)" = "$stamp" ]; then
+  "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" 2>&1 | quiet_pip >&2
+  echo "$venv"; exit 0
+fi
+echo "building the '$lane' environment in $venv (first time: several minutes, ~7 GB)" >&2
+rm -rf "$venv"
+mkdir -p "$root"
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q --upgrade pip setuptools wheel 2>&1 | quiet_pip >&2
+"$venv/bin/pip" install -q -r "$req" 2>&1 | quiet_pip >&2
+"$venv/bin/pip" install -q --no-deps -r "$data" 2>&1 | quiet_pip >&2
+"$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" 2>&1 | quiet_pip >&2
+echo "$stamp" > "$venv/.ois-stamp"
+echo "$venv"
