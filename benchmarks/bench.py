@@ -67,7 +67,7 @@ def run_dtype(path, tokenizer, prompts, dtype, args, bar):
             identical[i] &= torch.equal(stock_ids, ours_ids)
             samples[i]["stock"].append(st)
             samples[i]["ours"].append(ot)
-            bar.update(1)
+            bar.update(2)
     for i, prompt in enumerate(prompts):
         s, o = samples[i]["stock"], samples[i]["ours"]
         stock_rate = statistics.median(t.decode_tokens_per_s for t in s)
@@ -92,6 +92,62 @@ def run_dtype(path, tokenizer, prompts, dtype, args, bar):
         "median_ratio": statistics.median(p["ratio"] for p in per_prompt),
         "prompts": per_prompt,
     }
+
+
+def run_assisted(path, tokenizer, prompts, args, bar):
+    """fp32 target alone (stock and ours) vs ours assisted by its bf16 self-draft, greedy."""
+    stock = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    target = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=torch.float32)
+    draft = target.self_draft(torch_dtype=torch.bfloat16)
+    gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
+    configs = [("stock fp32 alone", stock, {}), ("ours fp32 alone", target, {})]
+    for k in args.draft_tokens:
+        configs.append((f"ours fp32 + bf16 self-draft, k={k} constant", target,
+                        {"assistant_model": draft, "_k": k, "_schedule": "constant"}))
+    configs.append(("ours fp32 + bf16 self-draft, heuristic", target,
+                    {"assistant_model": draft, "_k": 8, "_schedule": "heuristic"}))
+    samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
+    identical = {name: True for name, _, _ in configs}
+    for _ in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            inputs = tokenizer(prompt, return_tensors="pt")
+            reference = None
+            for name, model, extra in configs:
+                extra = dict(extra)
+                k, schedule = extra.pop("_k", None), extra.pop("_schedule", None)
+                if k is not None:
+                    draft.generation_config.num_assistant_tokens = k
+                    draft.generation_config.num_assistant_tokens_schedule = schedule
+                    draft.generation_config.assistant_confidence_threshold = 0.0
+                    draft.last_speculation_stats = None
+                out, timing = timed_generate(model, inputs, **gen, **extra)
+                stats = draft.last_speculation_stats if k is not None else None
+                reference = out if reference is None else reference
+                identical[name] &= torch.equal(out, reference)
+                samples[name][i].append((timing, stats))
+                bar.update(1)
+    rows = []
+    alone = {i: statistics.median(t.decode_tokens_per_s for t, _ in samples["ours fp32 alone"][i])
+             for i in range(len(prompts))}
+    alone_total = {i: statistics.median(t.total_s for t, _ in samples["ours fp32 alone"][i])
+                   for i in range(len(prompts))}
+    for name, _, _ in configs:
+        per = samples[name]
+        rate = [statistics.median(t.decode_tokens_per_s for t, _ in per[i]) for i in range(len(prompts))]
+        e2e = [alone_total[i] / statistics.median(t.total_s for t, _ in per[i]) for i in range(len(prompts))]
+        stats = [s for i in range(len(prompts)) for _, s in per[i] if s is not None]
+        rows.append({
+            "config": name,
+            "median_decode_tok_s": statistics.median(rate),
+            "median_ratio_vs_ours_alone": statistics.median(r / alone[i] for i, r in enumerate(rate)),
+            "median_end_to_end_ratio_vs_ours_alone": statistics.median(e2e),
+            "median_ttft_s": statistics.median(t.ttft_s for i in range(len(prompts)) for t, _ in per[i]),
+            "acceptance_rate": (sum(s.accepted for s in stats) / sum(s.proposed for s in stats)) if stats else None,
+            "mean_tokens_per_target_forward": (statistics.mean(s.mean_accepted_per_round for s in stats)
+                                               if stats else None),
+            "token_identical_to_target_alone": identical[name],
+        })
+    return rows
 
 
 def render_markdown(result) -> str:
@@ -132,6 +188,22 @@ def render_markdown(result) -> str:
                 f"{p['ours_decode_tok_s']:.1f} | x{p['ratio']:.2f} | {p['stock_ttft_s']:.2f} | {p['ours_ttft_s']:.2f} | "
                 f"{'yes' if p['token_identical'] else 'no'} |"
             )
+    if result.get("assisted"):
+        lines += ["", "## Assisted generation (speculative decoding), fp32 target", "",
+                  "Target: SmolLM2 fp32 (ours). Draft: the same checkpoint exported in bf16 "
+                  "(`target.self_draft(torch_dtype=torch.bfloat16)`). Greedy; k = draft tokens per round. Decode "
+                  "tok/s counts tokens after the first; end-to-end includes prefill (target and draft).", "",
+                  "| configuration | decode tok/s | decode ratio vs ours alone | end-to-end ratio | TTFT s | "
+                  "acceptance rate | tokens per target forward | output |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in result["assisted"]:
+            acc = f"{row['acceptance_rate']:.1%}" if row["acceptance_rate"] is not None else "-"
+            mean = f"{row['mean_tokens_per_target_forward']:.2f}" if row["mean_tokens_per_target_forward"] else "-"
+            lines.append(
+                f"| {row['config']} | {row['median_decode_tok_s']:.1f} | x{row['median_ratio_vs_ours_alone']:.2f} | "
+                f"x{row['median_end_to_end_ratio_vs_ours_alone']:.2f} | {row['median_ttft_s']:.2f} | {acc} | {mean} | "
+                f"{'identical to target alone' if row['token_identical_to_target_alone'] else 'DIFFERENT'} |"
+            )
     lines += [
         "",
         "Notes:",
@@ -156,7 +228,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="markdown report path")
     parser.add_argument("--json", default=None, help="machine-readable results path")
+    parser.add_argument("--no-assisted", action="store_true", help="skip the speculative decoding section")
+    parser.add_argument("--draft-tokens", default="4,8,12", help="k values for the constant schedule")
     args = parser.parse_args(argv)
+    args.draft_tokens = [int(k) for k in args.draft_tokens.split(",")]
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -182,9 +257,12 @@ def main(argv=None):
         },
         "runs": [],
     }
-    with tqdm(total=len(dtypes) * args.rounds * len(prompts), desc="bench", unit="prompt") as bar:
+    assisted_runs = 0 if args.no_assisted else args.rounds * len(prompts) * (len(args.draft_tokens) + 3)
+    with tqdm(total=len(dtypes) * args.rounds * len(prompts) * 2 + assisted_runs, desc="bench", unit="run") as bar:
         for dtype in dtypes:
             result["runs"].append(run_dtype(path, tokenizer, prompts, dtype, args, bar))
+        if not args.no_assisted:
+            result["assisted"] = run_assisted(path, tokenizer, prompts, args, bar)
     report = render_markdown(result)
     print(report)
     if args.out:

@@ -18,34 +18,41 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import DynamicCache
 
 #: Rows IPEX preallocates for keys/values on the first forward (IPEX 2.7/2.8, CPU).
 IPEX_PREALLOCATED_POSITIONS = 2048
 
 
-class IPEXFusedCache(Cache):
+class IPEXFusedCache(DynamicCache):
     """KV cache in IPEX's fused layout, for one batch of sequences.
+
+    It subclasses ``DynamicCache`` only so that transformers' assisted generation rolls it back
+    with :meth:`crop` (transformers <= 4.53 crops ``DynamicCache`` instances through ``.crop`` and
+    would rebuild anything else as a tuple of 2-tuples); none of ``DynamicCache``'s per-layer
+    tensor lists are used, and the methods that would read them raise ``NotImplementedError``.
 
     Args:
         num_layers: number of decoder layers of the model.
         batch_size: number of sequences (beam search is not supported: 1 beam each).
         dtype: dtype of keys/values (``torch.float32`` or ``torch.bfloat16``).
 
-    The tuple consumed and produced by the traced IPEX graph is :attr:`layers`; only the model
+    The tuple consumed and produced by the traced IPEX graph is :attr:`ipex_layers`; only the model
     wrapper touches it.
     """
 
     is_compileable = False
 
     def __init__(self, num_layers: int, batch_size: int, dtype: torch.dtype = torch.float32):
-        super().__init__()
+        # DynamicCache's constructor differs across transformers releases and sets up per-layer
+        # tensor lists we never use; set only what its inherited helpers read.
+        self.key_cache, self.value_cache, self._seen_tokens = [], [], 0
         self.num_layers = num_layers
         self.batch_size = batch_size
         self.dtype = dtype
         empty_info = torch.zeros(1, 0, 0, 1, dtype=torch.long)
         beam_idx = torch.zeros(IPEX_PREALLOCATED_POSITIONS, batch_size, dtype=torch.long)
-        self.layers: Tuple[Tuple[torch.Tensor, ...], ...] = tuple(
+        self.ipex_layers: Tuple[Tuple[torch.Tensor, ...], ...] = tuple(
             (empty_info, torch.zeros(1, 1, 1, 1, dtype=dtype), torch.zeros(1, 1, 1, 1, dtype=dtype), beam_idx)
             for _ in range(num_layers)
         )
@@ -53,12 +60,12 @@ class IPEXFusedCache(Cache):
     # -- what the model wrapper calls --------------------------------------------------------------
     def replace(self, layers: Tuple[Tuple[torch.Tensor, ...], ...]) -> None:
         """Adopt the per-layer tuples returned by the traced graph after a forward."""
-        self.layers = layers
+        self.ipex_layers = layers
 
     # -- transformers Cache API --------------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
         """Number of tokens held (int)."""
-        return self.layers[layer_idx or 0][0].size(-2)
+        return self.ipex_layers[layer_idx or 0][0].size(-2)
 
     def get_max_cache_shape(self) -> Optional[int]:
         """No fixed maximum: IPEX grows its buffers on demand."""
@@ -80,7 +87,7 @@ class IPEXFusedCache(Cache):
         if keep >= current:
             return
         info = torch.empty(1, keep, keep, 1, dtype=torch.long)
-        self.layers = tuple((info,) + tuple(layer[1:]) for layer in self.layers)
+        self.ipex_layers = tuple((info,) + tuple(layer[1:]) for layer in self.ipex_layers)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         raise NotImplementedError(
@@ -93,6 +100,20 @@ class IPEXFusedCache(Cache):
 
     def __len__(self) -> int:
         return self.num_layers
+
+    def __getitem__(self, layer_idx):
+        raise TypeError("IPEXFusedCache holds IPEX's fused per-layer buffers; it is not indexable as (key, value)")
+
+    def __iter__(self):
+        raise TypeError("IPEXFusedCache holds IPEX's fused per-layer buffers; it is not iterable as (key, value)")
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(
+            "this DynamicCache operation is not supported by IPEXFusedCache (IPEX's fused KV cache): "
+            "supported are get_seq_length and crop"
+        )
+
+    to_legacy_cache = batch_repeat_interleave = batch_select_indices = batch_split = _unsupported
 
     def __repr__(self) -> str:
         return (

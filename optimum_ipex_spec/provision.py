@@ -8,10 +8,11 @@ Models (see ``MODELS``):
   ``-partN`` chunk packages (Gemma terms of use). Needs transformers >= 5 to read the GGUF.
 
 The GGUF weights are de-quantized to fp32 and saved as ``model.safetensors``; the tokenizer is saved
-as a plain ``PreTrainedTokenizerFast`` (no BOS added, eos ``<|im_end|>`` for SmolLM2) with fields
-that transformers 4.4x/4.5x and 5.x both read. Provisioning is idempotent: a finished folder
-carries ``provenance.json`` (source sha256 + sha256 of every written file), which is verified on
-reuse; a folder that fails verification is rebuilt.
+as a plain ``PreTrainedTokenizerFast`` (SmolLM2: no BOS added, eos ``<|im_end|>``; Gemma 3: ``<bos>``
+added, eos ``<eos>``) with fields that transformers 4.4x/4.5x and 5.x both read; ``config.json`` carries
+both the 4.x and the 5.x spelling of fields 5.x renamed (see ``_write_4x_compatible_config``).
+Provisioning is idempotent: a finished folder carries ``provenance.json`` (source sha256 + sha256 of
+every written file), which is verified on reuse; a folder that fails verification is rebuilt.
 
 Command line::
 
@@ -100,16 +101,65 @@ def _locate_smollm2() -> Path:
     return path
 
 
+def _float32_shortest(value: float) -> float:
+    """GGUF stores floats as float32 (1e-6 arrives as 9.999999974752427e-07): the shortest decimal that
+    rounds to the same float32. Computing in float32, both spellings give bit-identical results."""
+    import numpy as np
+
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+
+
+def _sliding_window_pattern(layer_types) -> Optional[int]:
+    """The ``N`` of transformers 4.x's ``sliding_window_pattern`` (every N-th layer is full attention, the
+    others sliding) that spells the 5.x ``layer_types`` list, or None if no such N exists."""
+    for n in range(1, len(layer_types) + 1):
+        spelled = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(len(layer_types))]
+        if spelled == list(layer_types):
+            return n
+    return None
+
+
 def _write_4x_compatible_config(out_dir: Path) -> None:
-    """transformers 5 moves ``rope_theta`` into ``rope_parameters``; 4.x then silently uses 10000.
-    Keep both spellings so every version reads the same model."""
+    """transformers 5 moves ``rope_theta`` into ``rope_parameters``; 4.x then silently uses its default.
+    Keep both spellings so every version reads the same model:
+
+    * flat ``rope_parameters`` (Llama, ...): ``rope_theta`` (and ``rope_scaling`` if not the default type);
+    * per-attention-type ``rope_parameters`` (Gemma 3): ``rope_theta`` from ``full_attention`` and
+      ``rope_local_base_freq`` from ``sliding_attention``;
+    * ``layer_types`` (5.x) also as ``sliding_window_pattern`` (what 4.x's Gemma 3 reads);
+    * ``torch_dtype`` (4.x) next to ``dtype`` (5.x).
+
+    5.x ignores the 4.x spellings when its own are present (``rope_parameters`` and ``layer_types`` win)."""
     path = out_dir / "config.json"
     cfg = json.loads(path.read_text())
     rope = cfg.get("rope_parameters")
-    if isinstance(rope, dict) and "rope_theta" not in cfg and "rope_theta" in rope:
-        cfg["rope_theta"] = rope["rope_theta"]
-    cfg.pop("_name_or_path", None)
+    if isinstance(rope, dict) and "rope_theta" in rope:  # one rope for every layer
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    elif isinstance(rope, dict) and rope:  # one rope per attention type
+        unknown = set(rope) - {"full_attention", "sliding_attention"}
+        local = rope.get("sliding_attention") or {}
+        if unknown or local.get("rope_type", "default") != "default":
+            raise ProvisionError(f"transformers 4.x cannot express rope_parameters={rope!r}")
+        full = rope.get("full_attention") or {}
+        if "rope_theta" in full:
+            cfg.setdefault("rope_theta", full["rope_theta"])
+        if full.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in full.items() if k != "rope_theta"})
+        if "rope_theta" in local:
+            cfg.setdefault("rope_local_base_freq", local["rope_theta"])
+    layer_types = cfg.get("layer_types")
+    if layer_types and cfg.get("model_type") == "gemma3_text":
+        pattern = _sliding_window_pattern(layer_types)
+        if pattern is None:
+            raise ProvisionError(f"transformers 4.x cannot express layer_types={layer_types!r}")
+        cfg["sliding_window_pattern"] = pattern
+    for key in ("_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
     cfg["torch_dtype"] = "float32"
+    if "dtype" in cfg:
+        cfg["dtype"] = "float32"
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
@@ -123,7 +173,15 @@ def _save_plain_tokenizer(gguf_tok, out_dir: Path, bos: str, eos: str, unk: str,
     from transformers import PreTrainedTokenizerFast
 
     backend = gguf_tok.backend_tokenizer
-    if not add_bos:
+    if add_bos:
+        # The template 5.x's TokenizersBackend builds from ``add_bos_token``; 4.x reads only this one.
+        bos_id = backend.token_to_id(bos)
+        if bos_id is None:
+            raise ProvisionError(f"BOS token {bos!r} is not in the GGUF vocabulary")
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+        )
+    else:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -192,24 +250,68 @@ def _locate_gemma3() -> Path:
         raise ProvisionError(f"Gemma 3 chunk packages missing under {base} ({exc}); run: {GEMMA3_PIP}") from exc
 
 
-def _convert_gemma3(gguf_path: Path, out_dir: Path) -> None:
+GEMMA3_BOS, GEMMA3_EOS, GEMMA3_END_OF_TURN, GEMMA3_PAD, GEMMA3_UNK = "<bos>", "<eos>", "<end_of_turn>", "<pad>", "<unk>"
+
+
+def _load_gguf_model(gguf_path: Path, config):
+    """Build the model from ``config`` in fp32 and fill it with the de-quantized GGUF tensors.
+
+    The same tensor conversion that ``from_pretrained(..., gguf_file=...)`` runs for architectures on
+    transformers' legacy GGUF path (Gemma 3 in 5.x: norm weights minus 1, name mapping), checked to be
+    bit-identical to it; but without the ``accelerate`` requirement of ``from_pretrained`` and without the
+    GGUF quantizer that makes the result refuse ``save_pretrained``."""
     import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32)
+    result = model.load_state_dict(tensors["tensors"], strict=False)
+    model.tie_weights()
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise ProvisionError(
+            f"{gguf_path.name}: GGUF tensors do not match {type(model).__name__} "
+            f"(missing {sorted(set(result.missing_keys) - tied)}, unexpected {sorted(result.unexpected_keys)})"
+        )
+    return model.eval()
+
+
+def _convert_gemma3(gguf_path: Path, out_dir: Path) -> None:
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     major = int(transformers.__version__.split(".")[0])
     if major < 5:
         raise ProvisionError(
             f"reading Gemma 3 GGUF needs transformers >= 5 (installed: {transformers.__version__}); provision it "
-            "once from the no-IPEX lane (`make provision-gemma3`) and point this lane at the same cache folder"
+            "once from a transformers 5 environment (the no-IPEX lane: `python -m optimum_ipex_spec.provision "
+            f"gemma3-270m`) and point this lane at the same cache folder (${CACHE_ENV} or {default_cache_dir()})"
         )
     folder, name = str(gguf_path.parent), gguf_path.name
     gguf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # Gemma adds <bos> to every input (GGUF tokenizer.ggml.add_bos_token = true); eos is <eos>.
     _save_plain_tokenizer(
-        gguf_tok, out_dir, bos="<bos>", eos="<eos>", unk="<unk>", pad="<pad>", add_bos=True
+        gguf_tok, out_dir, bos=GEMMA3_BOS, eos=GEMMA3_EOS, unk=GEMMA3_UNK, pad=GEMMA3_PAD, add_bos=True
     )
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
-    _save_rebuilt_model(model, out_dir)
+    ids = {t: gguf_tok.convert_tokens_to_ids(t) for t in (GEMMA3_BOS, GEMMA3_EOS, GEMMA3_END_OF_TURN, GEMMA3_PAD)}
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if (config.bos_token_id, config.eos_token_id, config.pad_token_id) != (
+        ids[GEMMA3_BOS], ids[GEMMA3_EOS], ids[GEMMA3_PAD]
+    ):
+        raise ProvisionError(f"{name}: special token ids in the config and the vocabulary disagree ({ids})")
+    config.architectures = ["Gemma3ForCausalLM"]
+    config.rms_norm_eps = _float32_shortest(config.rms_norm_eps)  # 1e-06, as in the original config
+    model = _load_gguf_model(gguf_path, config)
+    # The GGUF names only <eos>; llama.cpp, the GGUF's own runtime, also ends generation at <end_of_turn>
+    # (it detects that token as end-of-turn by name). Greedy by default: no sampling settings.
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[GEMMA3_BOS],
+        eos_token_id=[ids[GEMMA3_EOS], ids[GEMMA3_END_OF_TURN]],
+        pad_token_id=ids[GEMMA3_PAD],
+    )
+    model.save_pretrained(out_dir)
     _write_4x_compatible_config(out_dir)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,8 +46,8 @@ def _quiet_stdout():
         yield
 
 
-def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> torch.jit.ScriptModule:
-    """Optimize ``model`` in place with IPEX and return its frozen TorchScript graph.
+def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
+    """Optimize ``model`` in place with IPEX and return its frozen TorchScript graphs.
 
     Args:
         model: a transformers ``*ForCausalLM`` in eval mode, weights in ``dtype``, with
@@ -54,7 +55,7 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> torch.jit.Scri
         dtype: ``torch.float32`` or ``torch.bfloat16``.
 
     Returns:
-        The frozen graph (signature in the module docstring). ``model`` is left modified by IPEX
+        :class:`IPEXGraphs` (signature in the module docstring). ``model`` is left modified by IPEX
         and should be discarded.
 
     Raises:
@@ -76,13 +77,123 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> torch.jit.Scri
     model.eval()
     with _quiet_stdout(), torch.no_grad():
         optimized = ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=True)
-    graph = getattr(optimized, "trace_graph", None)
-    if graph is None:
+    wrapper = getattr(optimized, "trace_graph", None)
+    if wrapper is None:
         raise RuntimeError(
             "ipex.llm.optimize did not produce a traced graph for this model "
             f"(IPEX {ipex_status().ipex_version}); use backend='torch'"
         )
-    return graph.optimized_model
+    decode_graph = wrapper.optimized_model
+    del optimized.trace_graph  # a ScriptModule attribute would stop the second trace
+    verify_graph = trace_verify_graph(optimized, decode_graph, dtype)
+    return IPEXGraphs(decode=decode_graph, verify=verify_graph)
+
+
+@dataclass
+class IPEXGraphs:
+    """The two frozen graphs of an export (same signature, shared weights).
+
+    decode: IPEX's own trace. Exact for prefill (empty cache) and for one new token on a cache.
+    verify: the same model traced with :func:`exact_chunk_attention`; exact for several new tokens
+        on a non-empty cache (speculative decoding's verification step), where IPEX's fused
+        attention is wrong.
+    """
+
+    decode: torch.jit.ScriptModule
+    verify: Optional[torch.jit.ScriptModule]
+
+
+def exact_chunk_attention(
+    cls,
+    query,
+    key,
+    value,
+    scale_attn,
+    layer_past=None,
+    head_mask=None,
+    attention_mask=None,
+    alibi=None,
+    add_casual_mask=True,
+    seq_info=None,
+    text_max_length=0,
+    cutoff=None,
+    vision=False,
+    cache_type=None,
+):
+    """Drop-in for IPEX's ``_IPEXScaleDotProductCPU.apply_function`` that is exact for a chunk of
+    ``q`` new tokens on a cache of ``past`` tokens (batch 1, no padding).
+
+    IPEX's ``masked_multihead_self_attention`` writes the chunk's keys/values into the fused cache
+    correctly but returns wrong attention outputs for rows 1..q-1 of the chunk when ``past > 0``
+    (measured 0.06-0.47 logit error in fp32, IPEX 2.7 and 2.8). We keep its cache update and
+    recompute attention with ``scaled_dot_product_attention`` over cache rows ``0 .. past+q-1``
+    and an explicit causal mask (key j visible to chunk row i iff ``j <= past + i``).
+
+    Shapes: query ``[b, q, heads, d]``, key/value ``[b, q, kv_heads, d]`` (post-RoPE); the fused
+    buffers are ``[max_pos, b, kv_heads, d]``; returns ``([b, heads, q, d], None, present)`` like IPEX.
+    """
+    past = layer_past[0].size(-2)
+    _, _, key_cache, value_cache, beam_idx = torch.ops.torch_ipex.masked_multihead_self_attention(
+        query,
+        key,
+        value,
+        layer_past[1].contiguous(),
+        layer_past[2].contiguous(),
+        layer_past[3].contiguous(),
+        torch.tensor(past, dtype=torch.long),
+        scale_attn,
+        text_max_length,
+        head_mask,
+        attention_mask,
+        add_casual_mask,
+    )
+    q = query.size(1)
+    total = past + q
+    keys = key_cache[:total].permute(1, 2, 0, 3)  # [b, kv_heads, total, d]
+    values = value_cache[:total].permute(1, 2, 0, 3)
+    groups = query.size(2) // keys.size(1)
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    rows = torch.arange(q).unsqueeze(1) + (total - q)
+    visible = torch.arange(total).unsqueeze(0) <= rows
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), keys.to(query.dtype), values.to(query.dtype), attn_mask=visible, scale=1.0 / scale_attn
+    )
+    present = (torch.empty(1, total, total, 1, dtype=torch.long), key_cache, value_cache, beam_idx)
+    return out, None, present
+
+
+def trace_verify_graph(optimized: torch.nn.Module, decode_graph, dtype: torch.dtype) -> torch.jit.ScriptModule:
+    """Trace ``optimized`` (the module ``ipex.llm.optimize`` converted) a second time with
+    :func:`exact_chunk_attention`, on a 4-token chunk over an 8-token cache, and freeze it."""
+    from ..cache import IPEXFusedCache
+    from ..patching import exact_chunk_attention_patch
+
+    num_layers = optimized.config.num_hidden_layers
+    with torch.no_grad():
+        cache = IPEXFusedCache(num_layers, 1, dtype)
+        prompt = torch.ones(1, 8, dtype=torch.long)
+        _, layers = decode_graph(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache.ipex_layers,
+            position_ids=torch.arange(8).unsqueeze(0),
+        )
+        example = {
+            "input_ids": torch.ones(1, 4, dtype=torch.long),
+            "attention_mask": torch.ones(1, 12, dtype=torch.long),
+            "past_key_values": layers,
+            "position_ids": torch.arange(8, 12).unsqueeze(0),
+        }
+        saved_return_dict = optimized.config.return_dict
+        optimized.config.return_dict = False  # IPEX's output hook would build a ModelOutput
+        try:
+            with exact_chunk_attention_patch(classmethod(exact_chunk_attention)), torch.autocast(
+                "cpu", enabled=dtype == torch.bfloat16, dtype=torch.bfloat16
+            ):
+                traced = torch.jit.trace(optimized, example_kwarg_inputs=example, strict=False, check_trace=False)
+                return torch.jit.freeze(traced)
+        finally:
+            optimized.config.return_dict = saved_return_dict
 
 
 def load_ipex_graph(path: str) -> torch.jit.ScriptModule:
