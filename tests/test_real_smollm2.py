@@ -50,3 +50,16 @@ def test_bf16_documented_prefix(smollm2_dir, tokenizer, real_prompts, reference_
         n = inputs.input_ids.shape[1]
         got = model.generate(**inputs, max_new_tokens=BF16_EXACT_PREFIX, do_sample=False)
         assert got[0, n:].tolist() == expected[0, n : n + BF16_EXACT_PREFIX].tolist(), prompt
+
+
+def test_assisted_with_bf16_self_draft_token_identical(smollm2_dir, tokenizer, real_prompts, reference_outputs):
+    """The real same-tokenizer pair: fp32 target + its bf16 copy as draft == target alone (greedy)."""
+    target = IPEXModelForCausalLM.from_pretrained(smollm2_dir, export=True, torch_dtype=torch.float32)
+    draft = target.self_draft()
+    assert draft.dtype == torch.bfloat16
+    for prompt, expected in zip(real_prompts, reference_outputs):
+        inputs = tokenizer(prompt, return_tensors="pt")
+        got = target.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=draft)
+        assert torch.equal(got, expected), prompt
+        stats = draft.last_speculation_stats
+        assert stats.rounds > 0 and stats.accepted > 0
