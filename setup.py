@@ -16,7 +16,9 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    packages=find_packages(include=["optimum_ipex_spec", "optimum_ipex_spec.*"]),
+    # optimum.commands.register is optimum's PEP 420 plugin namespace (no __init__.py): it registers
+    # `optimum-cli export ipex`.
+    packages=find_packages(include=["optimum_ipex_spec", "optimum_ipex_spec.*"]) + ["optimum.commands.register"],
     python_requires=">=3.9",
     install_requires=[
         "torch",  # any build; the lanes below pin exact versions

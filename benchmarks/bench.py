@@ -146,8 +146,23 @@ def run_assisted(path, tokenizer, prompts, args, bar):
             "mean_tokens_per_target_forward": (statistics.mean(s.mean_accepted_per_round for s in stats)
                                                if stats else None),
             "token_identical_to_target_alone": identical[name],
+            "per_prompt": [
+                {
+                    "prompt": i,
+                    "kind": "code" if i % 2 == 0 else "question",
+                    "decode_ratio_vs_ours_alone": rate[i] / alone[i],
+                    "end_to_end_ratio": e2e[i],
+                    "acceptance_rate": _acceptance([s for _, s in per[i] if s is not None]),
+                }
+                for i in range(len(prompts))
+            ],
         })
     return rows
+
+
+def _acceptance(stats):
+    proposed = sum(s.proposed for s in stats)
+    return sum(s.accepted for s in stats) / proposed if proposed else None
 
 
 def render_markdown(result) -> str:
@@ -204,6 +219,16 @@ def render_markdown(result) -> str:
                 f"x{row['median_end_to_end_ratio_vs_ours_alone']:.2f} | {row['median_ttft_s']:.2f} | {acc} | {mean} | "
                 f"{'identical to target alone' if row['token_identical_to_target_alone'] else 'DIFFERENT'} |"
             )
+        lines += ["", "Per prompt (prompts alternate: even = HumanEval code completion, odd = chatterbot question):", "",
+                  "| configuration | prompt | kind | decode ratio | end-to-end ratio | acceptance rate |",
+                  "|---|---|---|---|---|---|"]
+        for row in result["assisted"]:
+            if not row["config"].startswith("ours fp32 +"):
+                continue
+            for p in row["per_prompt"]:
+                acc = f"{p['acceptance_rate']:.1%}" if p["acceptance_rate"] is not None else "-"
+                lines.append(f"| {row['config']} | {p['prompt']} | {p['kind']} | x{p['decode_ratio_vs_ours_alone']:.2f} | "
+                             f"x{p['end_to_end_ratio']:.2f} | {acc} |")
     lines += [
         "",
         "Notes:",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-from transformers.generation.candidate_generator import AssistedCandidateGenerator
+from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
 from .cache import IPEXFusedCache
 
@@ -97,3 +97,82 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
             if step + 1 < max_new_tokens:
                 logits = draft(token, past_key_values=self._cache).logits[:, -1]
         return torch.cat([input_ids] + new_tokens, dim=-1), None
+
+
+class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):
+    """Prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding; transformers
+    PR #27775) that never overshoots, never proposes forbidden tokens and gets out of the way when it
+    does not pay.
+
+    On top of transformers' ``PromptLookupCandidateGenerator`` (n-gram match in the context, copy
+    what followed it):
+
+    * **no EOS**: works with ``eos_token_id=None`` (transformers 4.51's lookup raised TypeError);
+    * **budget**: at most ``max_length - current_length - 1`` candidates (transformers 4.51 capped the
+      copy at an *index* equal to ``max_length`` and returned up to 6 tokens beyond ``max_new_tokens``);
+    * **processors**: the proposal is cut before the first token that the logits processors (e.g.
+      ``bad_words_ids``, ``no_repeat_ngram_size``) set to ``-inf`` in its context (sampling warpers,
+      which depend on the real scores, are not consulted);
+    * **adaptivity**: a verification of ``n`` candidates costs about ``1 + 0.1 n`` decode steps, so
+      a round in which nothing is accepted is pure loss. After such a round the generator pauses for
+      1, 2, 4, ... 16 rounds (plain decoding, no extra cost) before proposing again, and halves the
+      proposal length; any acceptance resets the pause, and a fully accepted proposal grows it by 2 up
+      to ``prompt_lookup_num_tokens``.
+
+    Losslessness is unaffected: every candidate is verified by the target.
+    """
+
+    MAX_PAUSE = 16
+
+    def __init__(self, eos_token_id=None, num_output_tokens: int = 10, max_matching_ngram_size=None,
+                 max_length: int = 20, logits_processor=None, vocab_size: Optional[int] = None):
+        super().__init__(eos_token_id=eos_token_id, num_output_tokens=num_output_tokens,
+                         max_matching_ngram_size=max_matching_ngram_size, max_length=max_length)
+        if self.eos_token_id is None:  # transformers 4.51 passes None to torch.isin and raises TypeError
+            self.eos_token_id = torch.empty(0, dtype=torch.long)
+        self.max_output_tokens = num_output_tokens
+        self.constraints = [p for p in (logits_processor or []) if not type(p).__name__.endswith("Warper")]
+        self.vocab_size = vocab_size
+        self.pause = 0
+        self.backoff = 1
+        self.stats = SpeculationStats()
+
+    def get_candidates(self, input_ids: torch.LongTensor) -> Tuple[torch.LongTensor, Optional[torch.FloatTensor]]:
+        budget = self.max_length - input_ids.shape[1] - 1
+        if budget <= 0:
+            return input_ids, None
+        if self.pause > 0:
+            self.pause -= 1
+            return input_ids, None
+        candidates, _ = super().get_candidates(input_ids)
+        proposal = self._allowed_prefix(input_ids, candidates[:, input_ids.shape[1]:][:, :budget])
+        return torch.cat([input_ids, proposal], dim=-1), None
+
+    def _allowed_prefix(self, input_ids: torch.LongTensor, proposal: torch.LongTensor) -> torch.LongTensor:
+        if not self.constraints or proposal.shape[1] == 0 or self.vocab_size is None:
+            return proposal
+        context = input_ids
+        for i in range(proposal.shape[1]):
+            scores = torch.zeros(1, self.vocab_size)
+            for processor in self.constraints:
+                scores = processor(context, scores)
+            if scores[0, proposal[0, i]] == float("-inf"):
+                return proposal[:, :i]
+            context = torch.cat([context, proposal[:, i : i + 1]], dim=-1)
+        return proposal
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        proposed, accepted = scores.shape[1] - 1, int(num_matches)
+        if proposed == 0:
+            return
+        self.stats.rounds += 1
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+        if accepted == 0:
+            self.pause = self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_PAUSE)
+            self.num_output_tokens = max(2, self.num_output_tokens // 2)
+        else:
+            self.backoff = 1
+            if accepted == proposed:
+                self.num_output_tokens = min(self.max_output_tokens, self.num_output_tokens + 2)

@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache import IPEXFusedCache
-from .candidates import IPEXDraftCandidateGenerator
+from .candidates import AdaptivePromptLookupCandidateGenerator, IPEXDraftCandidateGenerator
 from .exporters.ipex import (
     IPEX_FUSED_ARCHITECTURES,
     export_to_ipex,
@@ -84,7 +84,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _looks_like_local_path(model_id: str) -> bool:
-    return model_id.startswith((".", "/", "~")) or os.sep in model_id.strip("/").split("/", 1)[-1] or model_id.count("/") > 1
+    """Hub ids are ``name`` or ``org/name``; anything rooted or deeper is meant as a folder."""
+    return model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
 
 
 def check_causal_lm_config(config: PretrainedConfig, model_id: str) -> None:
@@ -339,7 +340,9 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, assistant_model,
                                  logits_processor, target_tokenizer, assistant_tokenizer, model_kwargs):
         """Use :class:`~optimum_ipex_spec.candidates.IPEXDraftCandidateGenerator` for greedy drafting
-        with a same-tokenizer IPEX draft; every other strategy is transformers' own."""
+        with a same-tokenizer IPEX draft and
+        :class:`~optimum_ipex_spec.candidates.AdaptivePromptLookupCandidateGenerator` for
+        ``prompt_lookup_num_tokens``; every other strategy is transformers' own."""
         different_tokenizers = target_tokenizer is not None and assistant_tokenizer is not None
         if (
             isinstance(assistant_model, IPEXModelForCausalLM)
@@ -357,6 +360,19 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 inputs_tensor=inputs_tensor,
                 logits_processor=logits_processor,
             )
+        if generation_config.prompt_lookup_num_tokens is not None and getattr(
+            generation_config, "assistant_early_exit", None
+        ) is None:
+            generator = AdaptivePromptLookupCandidateGenerator(
+                eos_token_id=generation_config._eos_token_tensor,
+                num_output_tokens=generation_config.prompt_lookup_num_tokens,
+                max_matching_ngram_size=generation_config.max_matching_ngram_size,
+                max_length=generation_config.max_length,
+                logits_processor=logits_processor,
+                vocab_size=self.config.get_text_config().vocab_size,
+            )
+            self.last_speculation_stats = generator.stats
+            return generator
         return super()._get_candidate_generator(
             generation_config, input_ids, inputs_tensor, assistant_model, logits_processor, target_tokenizer,
             assistant_tokenizer, model_kwargs,
@@ -592,7 +608,7 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 )
             status = ipex_status()
             if not status.available:
-                raise IPEXNotAvailableErrorForLoad(model_id, meta, status.reason)
+                raise _ipex_missing_for_load_error(model_id, meta, status.reason)
             saved = meta.get("ipex_version")
             if saved and parse_version(saved).release[:2] != parse_version(status.ipex_version).release[:2]:
                 raise RuntimeError(
@@ -631,7 +647,7 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
             json.dump(meta, f, indent=2)
 
 
-def IPEXNotAvailableErrorForLoad(model_id: str, meta: dict, reason: str) -> Exception:
+def _ipex_missing_for_load_error(model_id: str, meta: dict, reason: str) -> Exception:
     from .utils.import_utils import IPEX_PIP_COMMAND, IPEXNotAvailableError
 
     return IPEXNotAvailableError(

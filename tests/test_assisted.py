@@ -204,13 +204,14 @@ def _exact_two_token_distributions(model, ids):
     return p1, p1 @ p2_given
 
 
-@pytest.mark.parametrize("pairing", ["ipex+ipex", "hf+ipex"])
-def test_speculative_sampling_keeps_target_distribution(pairing, ipex_available):
+@pytest.mark.parametrize("pairing", ["hf+hf", "hf+ipex", "ipex+hf", "ipex+ipex"])
+def test_speculative_sampling_keeps_target_distribution(pairing):
     vocab = 12
     ref = build_tiny("llama", vocab_size=vocab, seed=3)
     draft_ref = build_tiny("llama", vocab_size=vocab, seed=4)  # a different model: real rejections happen
-    target = ref if pairing.startswith("hf") else IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(ref))
-    draft = IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(draft_ref))
+    target_kind, draft_kind = pairing.split("+")
+    target = ref if target_kind == "hf" else IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(ref))
+    draft = draft_ref if draft_kind == "hf" else IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(draft_ref))
     draft.generation_config.num_assistant_tokens = 3
     ids = torch.tensor([[1, 5, 7]])
     p1, p2 = _exact_two_token_distributions(ref, ids)

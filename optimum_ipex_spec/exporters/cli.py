@@ -1,0 +1,219 @@
+"""The work behind ``optimum-cli export ipex``: export, save, reload and validate.
+
+Export uses the same code path as ``IPEXModelForCausalLM.from_pretrained(..., export=True)``. The
+folder is written to a temporary sibling and moved into place only when export and saving succeeded,
+so an error leaves no partial output. Validation reloads the saved folder (no re-export) and compares
+its logits with the eager transformers model on sample inputs: a prefill, one decode step on the
+cache and a chunk of tokens on the cache (the speculative verification path).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+logger = logging.getLogger("optimum_ipex_spec")
+
+TASKS = ("text-generation", "text-generation-with-past")
+DEFAULT_ATOL = {"float32": 1e-4, "bfloat16": 0.25}
+SAMPLE_TEXTS = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "The history of the printing press begins in",
+    "Question: what is 17 times 3? Answer:",
+)
+
+
+class ExportError(RuntimeError):
+    """A problem with the inputs of an export (path, task, model type, output folder, IPEX)."""
+
+
+@dataclass
+class ValidationReport:
+    """Outcome of validating a saved export.
+
+    Attributes:
+        max_abs_diff: largest |logit difference| between the reloaded export and the eager model.
+        atol: the tolerance it was compared with.
+        passed: ``max_abs_diff <= atol``.
+        backend: backend of the reloaded export ("ipex" or "torch").
+        checks: one line per sample input and forward kind.
+    """
+
+    max_abs_diff: float
+    atol: float
+    passed: bool
+    backend: str
+    checks: List[str] = field(default_factory=list)
+
+
+def infer_task(config) -> str:
+    from ..modeling import check_causal_lm_config
+
+    check_causal_lm_config(config, getattr(config, "_name_or_path", "model"))
+    return "text-generation-with-past"
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"output {output} exists and is not a folder")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ExportError(f"output folder {output} is not empty; pass --overwrite to replace it")
+
+
+def _load_config(model_id: str, **hub):
+    from transformers import AutoConfig
+
+    if (model_id.startswith((".", "/", "~")) or model_id.count("/") > 1) and not os.path.isdir(model_id):
+        raise ExportError(f"model folder {model_id} does not exist")
+    try:
+        return AutoConfig.from_pretrained(model_id, **hub)
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot load a model config from {model_id}: {exc}") from exc
+
+
+def main_export(
+    model: str,
+    output: str,
+    task: str = "auto",
+    torch_dtype: str = "float32",
+    backend: str = "auto",
+    with_draft: bool = False,
+    atol: Optional[float] = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+    revision: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+    local_files_only: bool = False,
+) -> ValidationReport:
+    """Export ``model`` to ``output`` and validate it; print a report.
+
+    Raises:
+        ExportError: missing model path, non-causal model, unsupported task, non-empty output without
+            ``overwrite``, or ``backend="ipex"`` without a usable IPEX.
+    """
+    from tqdm.auto import tqdm
+
+    from ..modeling import IPEXModelForCausalLM
+    from ..provision import resolve_model
+    from ..utils.import_utils import IPEXNotAvailableError
+
+    output_path = Path(output).expanduser().resolve()
+    _check_output(output_path, overwrite)
+    if task != "auto" and task not in TASKS:
+        raise ExportError(f"task {task!r} is not supported by the IPEX exporter; supported: {', '.join(TASKS)}")
+    model_id = resolve_model(model)
+    hub = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+               trust_remote_code=trust_remote_code)
+    config = _load_config(model_id, **hub)
+    try:
+        task = infer_task(config) if task == "auto" else (infer_task(config) and task)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from exc
+
+    steps = tqdm(total=4 + (2 if with_draft else 0), desc="export ipex", unit="step")
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_path.name}-", dir=output_path.parent))
+    try:
+        steps.set_postfix_str("loading and exporting")
+        try:
+            exported = IPEXModelForCausalLM.from_pretrained(
+                model_id, export=True, torch_dtype=torch_dtype, backend=backend, **hub
+            )
+        except IPEXNotAvailableError as exc:
+            raise ExportError(str(exc)) from exc
+        except FileNotFoundError as exc:
+            raise ExportError(str(exc)) from exc
+        steps.update(1)
+        steps.set_postfix_str("saving")
+        exported.save_pretrained(staging)
+        tokenizer = _save_tokenizer(model_id, staging, hub)
+        steps.update(1)
+        if with_draft:
+            steps.set_postfix_str("exporting the bf16 draft")
+            draft = exported.self_draft(torch_dtype="bfloat16", backend=backend)
+            draft.save_pretrained(staging / "draft-bf16")
+            steps.update(1)
+        del exported
+        if output_path.exists():
+            shutil.rmtree(output_path)
+        staging.rename(output_path)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    steps.set_postfix_str("validating")
+    dtype_name = "bfloat16" if str(torch_dtype) in ("bfloat16", "torch.bfloat16") else "float32"
+    report = validate_export(output_path, model_id, tokenizer, atol if atol is not None else DEFAULT_ATOL[dtype_name],
+                             hub)
+    steps.update(2)
+    if with_draft:
+        draft_report = validate_export(output_path / "draft-bf16", model_id, tokenizer,
+                                       atol if atol is not None else DEFAULT_ATOL["bfloat16"], hub)
+        report.checks += [f"draft-bf16: {c}" for c in draft_report.checks]
+        report.passed = report.passed and draft_report.passed
+        steps.update(1)
+    steps.close()
+    _print_report(output_path, task, dtype_name, report)
+    return report
+
+
+def _save_tokenizer(model_id: str, folder: Path, hub: dict):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id, **hub)
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("no tokenizer saved (%s): validation uses random token ids", exc)
+        return None
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def _sample_inputs(tokenizer, vocab_size: int):
+    import torch
+
+    if tokenizer is not None:
+        return [tokenizer(text, return_tensors="pt").input_ids for text in SAMPLE_TEXTS]
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab_size, (1, n), generator=generator) for n in (9, 17, 33)]
+
+
+def validate_export(folder: Path, model_id: str, tokenizer, atol: float, hub: dict) -> ValidationReport:
+    """Reload ``folder`` and compare its logits with the eager fp32 model on prefill, a decode step
+    and a 4-token chunk on the cache."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..modeling import IPEXModelForCausalLM
+
+    reloaded = IPEXModelForCausalLM.from_pretrained(folder)
+    eager = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype=torch.float32, **hub).eval()
+    worst, checks = 0.0, []
+    with torch.no_grad():
+        for ids in _sample_inputs(tokenizer, eager.config.vocab_size):
+            full = eager(ids).logits
+            n = ids.shape[1]
+            split = n - 5  # prefill n-5 tokens, decode 1, then a chunk of 4 on the cache
+            out = reloaded(ids[:, :split])
+            diffs = {"prefill": (out.logits.float() - full[:, :split]).abs().max().item()}
+            step = reloaded(ids[:, split : split + 1], past_key_values=out.past_key_values)
+            diffs["decode"] = (step.logits.float() - full[:, split : split + 1]).abs().max().item()
+            chunk = reloaded(ids[:, split + 1 :], past_key_values=out.past_key_values)
+            diffs["chunk on cache"] = (chunk.logits.float() - full[:, split + 1 :]).abs().max().item()
+            worst = max(worst, *diffs.values())
+            checks.append(f"{n:3d} tokens: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    return ValidationReport(worst, atol, worst <= atol, reloaded.backend, checks)
+
+
+def _print_report(output: Path, task: str, dtype: str, report: ValidationReport) -> None:
+    print(f"Exported to {output} (task {task}, {dtype}, backend {report.backend})")
+    for line in report.checks:
+        print(f"  max |logit diff| vs eager transformers, {line}")
+    verdict = "PASS" if report.passed else "FAIL"
+    print(f"Validation: max |logit diff| {report.max_abs_diff:.3e} <= atol {report.atol:g}: {verdict}"
+          if report.passed else
+          f"Validation: max |logit diff| {report.max_abs_diff:.3e} > atol {report.atol:g}: {verdict}")

@@ -1,0 +1,111 @@
+"""Prompt lookup decoding with an IPEX target: token-exact against plain greedy, including length."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, NoBadWordsLogitsProcessor
+
+from optimum_ipex_spec import IPEXModelForCausalLM
+from optimum_ipex_spec.candidates import AdaptivePromptLookupCandidateGenerator
+
+REPETITIVE = "def add(a, b):\n    return a + b\n\n" * 4 + "def sub(a, b):\n    return a - b\n\ndef add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    path = tiny_dir("llama")
+    return AutoModelForCausalLM.from_pretrained(path).eval(), IPEXModelForCausalLM.from_pretrained(path, export=True)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 5, 17, 40])
+@pytest.mark.parametrize("ngram", [1, 3])
+def test_token_exact_including_length(pair, tokenizer, max_new_tokens, ngram):
+    stock, model = pair
+    inputs = tokenizer(REPETITIVE, return_tensors="pt")
+    expected = stock.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    got = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=10,
+                         max_matching_ngram_size=ngram)
+    assert got.shape == expected.shape and torch.equal(got, expected)
+
+
+def test_lookup_actually_proposes_and_accepts(tiny_dir, tokenizer):
+    """A prompt whose continuation is a copy: the self-repeating tiny model accepts lookups."""
+    model = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True)
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dir("llama")).eval()
+    inputs = tokenizer(REPETITIVE, return_tensors="pt")
+    plain = stock.generate(**inputs, max_new_tokens=30, do_sample=False)
+    # make the prompt contain the model's own continuation so lookups match it
+    prompt = torch.cat([plain, inputs.input_ids, plain[:, inputs.input_ids.shape[1]:][:, :3]], 1)
+    expected = stock.generate(prompt, max_new_tokens=20, do_sample=False)
+    got = model.generate(prompt, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=8)
+    assert torch.equal(got, expected)
+    stats = model.last_speculation_stats
+    assert stats.rounds > 0 and stats.accepted > 0
+
+
+def test_eos_none(pair, tokenizer):
+    stock, model = pair
+    inputs = tokenizer(REPETITIVE, return_tensors="pt")
+    kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(model.generate(**inputs, prompt_lookup_num_tokens=6, **kwargs), stock.generate(**inputs, **kwargs))
+
+
+def test_no_ngram_match(pair):
+    stock, model = pair
+    ids = torch.arange(100, 140).unsqueeze(0)  # all distinct: nothing to look up
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=5),
+                       stock.generate(ids, max_new_tokens=12, do_sample=False))
+
+
+def test_bad_words_never_proposed_and_output_exact(pair, tokenizer):
+    stock, model = pair
+    inputs = tokenizer(REPETITIVE, return_tensors="pt")
+    banned = tokenizer(" return", add_special_tokens=False).input_ids
+    kwargs = dict(max_new_tokens=24, do_sample=False, bad_words_ids=[banned])
+    assert torch.equal(model.generate(**inputs, prompt_lookup_num_tokens=8, **kwargs),
+                       stock.generate(**inputs, **kwargs))
+    processor = NoBadWordsLogitsProcessor([banned], eos_token_id=2)
+    gen = AdaptivePromptLookupCandidateGenerator(num_output_tokens=8, max_length=10_000,
+                                                 logits_processor=[processor], vocab_size=stock.config.vocab_size)
+    ids = inputs.input_ids
+    cut = ids[:, : int((ids[0] == banned[0]).nonzero()[-1]) - 1]  # context just before a banned token follows
+    candidates, _ = gen.get_candidates(cut)
+    assert banned[0] not in candidates[0, cut.shape[1]:].tolist()
+
+
+def test_adaptive_pause_and_backoff():
+    gen = AdaptivePromptLookupCandidateGenerator(num_output_tokens=10, max_length=1000)
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    scores = torch.zeros(1, 11, 5)  # 10 proposed
+    gen.update_candidate_strategy(ids, scores, 0)
+    assert gen.pause == 1 and gen.num_output_tokens == 5
+    assert gen.get_candidates(ids)[0].shape == ids.shape  # paused: no proposal
+    assert gen.pause == 0 and gen.get_candidates(ids)[0].shape[1] > ids.shape[1]  # proposes again
+    gen.update_candidate_strategy(ids, torch.zeros(1, 6, 5), 0)
+    assert gen.pause == 2  # exponential backoff
+    gen.update_candidate_strategy(ids, torch.zeros(1, 6, 5), 5)  # all accepted: reset and grow
+    assert gen.backoff == 1 and gen.num_output_tokens == 4
+    assert gen.stats.proposed == 20 and gen.stats.accepted == 5
+
+
+def test_budget_caps_candidates():
+    gen = AdaptivePromptLookupCandidateGenerator(num_output_tokens=10, max_length=12)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2]])  # 8 tokens: room for 12 - 8 - 1 = 3 candidates
+    candidates, _ = gen.get_candidates(ids)
+    assert candidates.shape[1] - ids.shape[1] == 3
+
+
+@pytest.mark.slow
+def test_real_smollm2_code_edit(smollm2_dir, tokenizer):
+    from optimum_ipex_spec.prompts import humaneval_prompts
+
+    code = humaneval_prompts((0,))[0]
+    message = f"Rename the function to `check` and return the whole code.\n\n```python\n{code}```"
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                           add_generation_prompt=True)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    stock = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    model = IPEXModelForCausalLM.from_pretrained(smollm2_dir, export=True)
+    expected = stock.generate(**inputs, max_new_tokens=64, do_sample=False)
+    got = model.generate(**inputs, max_new_tokens=64, do_sample=False, prompt_lookup_num_tokens=10)
+    assert got.shape == expected.shape and torch.equal(got, expected)
+    assert model.last_speculation_stats.accepted > 0
