@@ -384,6 +384,7 @@ def provision(name: str, cache_dir: Optional[os.PathLike] = None, force: bool = 
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)
+        tmp.chmod(0o755)  # mkdtemp makes it private
         tmp.rename(out_dir)
     finally:
         if tmp.exists():

@@ -141,6 +141,7 @@ def main_export(
         del exported
         if output_path.exists():
             shutil.rmtree(output_path)
+        staging.chmod(0o755)  # mkdtemp makes it private
         staging.rename(output_path)
     finally:
         if staging.exists():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,9 +41,11 @@ def ipex_supports(config) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_stdout():
-    # ipex.llm.optimize prints "ipex.llm.optimize has set the optimized ..." with print().
-    with contextlib.redirect_stdout(io.StringIO()):
+def _quiet_export():
+    """ipex.llm.optimize prints progress with print() and tracing emits dozens of TracerWarnings and
+    deprecation warnings from IPEX's and transformers' internals, none actionable for a user."""
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         yield
 
 
@@ -75,7 +78,7 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
             f"(supported: {', '.join(IPEX_FUSED_ARCHITECTURES)})"
         )
     model.eval()
-    with _quiet_stdout(), torch.no_grad():
+    with _quiet_export(), torch.no_grad():
         optimized = ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=True)
     wrapper = getattr(optimized, "trace_graph", None)
     if wrapper is None:
@@ -85,7 +88,8 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
         )
     decode_graph = wrapper.optimized_model
     del optimized.trace_graph  # a ScriptModule attribute would stop the second trace
-    verify_graph = trace_verify_graph(optimized, decode_graph, dtype)
+    with _quiet_export():
+        verify_graph = trace_verify_graph(optimized, decode_graph, dtype)
     return IPEXGraphs(decode=decode_graph, verify=verify_graph)
 
 
