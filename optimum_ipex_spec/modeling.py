@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -152,6 +153,7 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         self.source = source
         #: SpeculationStats of the last assisted generate() that drafted with this model (greedy, IPEX draft).
         self.last_speculation_stats = None
+        self._custom_candidates = threading.local()  # per-thread user candidate generator during generate()
         self._dtype = dtype
         self.model_save_dir = model_save_dir
         self.generation_config = generation_config or GenerationConfig.from_model_config(config)
@@ -343,6 +345,9 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         with a same-tokenizer IPEX draft and
         :class:`~optimum_ipex_spec.candidates.AdaptivePromptLookupCandidateGenerator` for
         ``prompt_lookup_num_tokens``; every other strategy is transformers' own."""
+        custom = getattr(self._custom_candidates, "generator", None)
+        if custom is not None:
+            return custom
         different_tokenizers = target_tokenizer is not None and assistant_tokenizer is not None
         if (
             isinstance(assistant_model, IPEXModelForCausalLM)
@@ -381,11 +386,20 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
     def _supports_default_dynamic_cache(self) -> bool:
         return self.backend == "torch"
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, candidate_generator=None, **kwargs):
         """transformers' ``generate``; see ``GenerationMixin.generate``.
 
+        Args:
+            candidate_generator: optional user-written candidate generator with transformers' two-method
+                interface (``get_candidates(input_ids) -> (candidate_ids [1, L + n], logits or None)`` and
+                ``update_candidate_strategy(input_ids, scores, num_matches)``). Generation then runs
+                transformers' assisted decoding with these candidates, verified by this model (lossless).
+                Batch size 1, as all assisted generation in transformers.
+
         Raises:
-            ValueError: ``num_beams > 1`` on the IPEX backend (IPEXFusedCache does not reorder beams).
+            ValueError: ``num_beams > 1`` on the IPEX backend (IPEXFusedCache does not reorder beams);
+                ``candidate_generator`` together with ``assistant_model`` or ``prompt_lookup_num_tokens``.
+            TypeError: ``candidate_generator`` lacks the two methods.
         """
         generation_config = kwargs.get("generation_config") or self.generation_config
         num_beams = kwargs.get("num_beams", getattr(generation_config, "num_beams", 1)) or 1
@@ -394,12 +408,33 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 "Beam search (num_beams > 1) is not supported on the IPEX backend: IPEXFusedCache does not reorder "
                 "beams. Use greedy decoding, sampling, or assisted generation."
             )
+        if candidate_generator is not None:
+            for method in ("get_candidates", "update_candidate_strategy"):
+                if not callable(getattr(candidate_generator, method, None)):
+                    raise TypeError(
+                        f"candidate_generator must implement {method}() (transformers' CandidateGenerator "
+                        f"interface); got {type(candidate_generator).__name__}"
+                    )
+            if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens") is not None:
+                raise ValueError("pass either candidate_generator or assistant_model/prompt_lookup_num_tokens, not both")
+            # prompt_lookup_num_tokens only switches transformers into assisted decoding; the candidates come
+            # from candidate_generator (see _get_candidate_generator)
+            kwargs["prompt_lookup_num_tokens"] = 1
+            self._custom_candidates.generator = candidate_generator
+            try:
+                return self.generate(*args, **kwargs)
+            finally:
+                self._custom_candidates.generator = None
         assistant = kwargs.get("assistant_model")
         ipex_involved = self.backend == "ipex" or getattr(assistant, "backend", None) == "ipex"
         if not ipex_involved:
             return super().generate(*args, **kwargs)
         # assisted as target, or continuing a cache (how transformers drives an assistant model)
-        assisted = assistant is not None or isinstance(kwargs.get("past_key_values"), IPEXFusedCache)
+        assisted = (
+            assistant is not None
+            or kwargs.get("prompt_lookup_num_tokens") is not None
+            or isinstance(kwargs.get("past_key_values"), IPEXFusedCache)
+        )
         with generation_patches(assisted=assisted):
             return super().generate(*args, **kwargs)
 
