@@ -165,6 +165,41 @@ def _acceptance(stats):
     return sum(s.accepted for s in stats) / proposed if proposed else None
 
 
+def run_lookup(path, tokenizer, args, bar):
+    """Prompt lookup decoding vs our target alone (fp32, greedy) on grounded real prompts."""
+    from optimum_ipex_spec.prompts import lookup_prompts
+
+    model = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=torch.float32)
+    prompts = lookup_prompts(tokenizer)
+    gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
+    rows = []
+    samples = [{"alone": [], "lookup": [], "stats": [], "same": True} for _ in prompts]
+    for _ in range(args.rounds):
+        for i, (kind, prompt) in enumerate(prompts):
+            inputs = tokenizer(prompt, return_tensors="pt")
+            alone_ids, alone_t = timed_generate(model, inputs, **gen)
+            lookup_ids, lookup_t = timed_generate(model, inputs, prompt_lookup_num_tokens=args.lookup_tokens, **gen)
+            samples[i]["same"] &= torch.equal(alone_ids, lookup_ids)
+            samples[i]["alone"].append(alone_t)
+            samples[i]["lookup"].append(lookup_t)
+            samples[i]["stats"].append(model.last_speculation_stats)
+            bar.update(2)
+    for i, (kind, prompt) in enumerate(prompts):
+        s = samples[i]
+        alone_total = statistics.median(t.total_s for t in s["alone"])
+        lookup_total = statistics.median(t.total_s for t in s["lookup"])
+        proposed = sum(st.proposed for st in s["stats"])
+        rows.append({
+            "prompt": i, "kind": kind, "new_tokens": s["alone"][0].new_tokens,
+            "alone_tok_s": statistics.median(t.new_tokens / t.total_s for t in s["alone"]),
+            "lookup_tok_s": statistics.median(t.new_tokens / t.total_s for t in s["lookup"]),
+            "ratio": alone_total / lookup_total,
+            "acceptance_rate": sum(st.accepted for st in s["stats"]) / proposed if proposed else None,
+            "token_identical": s["same"],
+        })
+    return rows
+
+
 def render_markdown(result) -> str:
     env = result["environment"]
     lines = [
@@ -174,11 +209,20 @@ def render_markdown(result) -> str:
         "",
         f"Machine: {env['machine']}, {env['threads']} thread(s), torch {env['torch']}, transformers "
         f"{env['transformers']}, IPEX {env['ipex'] or 'not used'}. Model: SmolLM2-135M-Instruct "
-        f"({result['model']}), {result['new_tokens']} new tokens, greedy, {len(result['runs'][0]['prompts'])} real "
+        f"({result['model']}), {result['new_tokens']} new tokens, greedy, {result['prompt_count']} real "
         f"prompts (HumanEval code completions and chatterbot-corpus questions), {result['rounds']} rounds, stock and "
         "ours interleaved in one process; medians.",
         "",
         f"Measured read bandwidth: {env['bandwidth_gbs']:.1f} GB/s.",
+    ]
+    if result["runs"]:
+        lines += _decode_tables(result, env)
+    lines += _speculation_tables(result)
+    return "\n".join(lines)
+
+
+def _decode_tables(result, env):
+    lines = [
         "",
         "## Decode throughput, ours vs stock transformers",
         "",
@@ -203,6 +247,11 @@ def render_markdown(result) -> str:
                 f"{p['ours_decode_tok_s']:.1f} | x{p['ratio']:.2f} | {p['stock_ttft_s']:.2f} | {p['ours_ttft_s']:.2f} | "
                 f"{'yes' if p['token_identical'] else 'no'} |"
             )
+    return lines
+
+
+def _speculation_tables(result):
+    lines = []
     if result.get("assisted"):
         lines += ["", "## Assisted generation (speculative decoding), fp32 target", "",
                   "Target: SmolLM2 fp32 (ours). Draft: the same checkpoint exported in bf16 "
@@ -229,7 +278,24 @@ def render_markdown(result) -> str:
                 acc = f"{p['acceptance_rate']:.1%}" if p["acceptance_rate"] is not None else "-"
                 lines.append(f"| {row['config']} | {p['prompt']} | {p['kind']} | x{p['decode_ratio_vs_ours_alone']:.2f} | "
                              f"x{p['end_to_end_ratio']:.2f} | {acc} |")
-    lines += [
+    if result.get("lookup"):
+        rows = result["lookup"]
+        lines += ["", f"## Prompt lookup decoding (`prompt_lookup_num_tokens={result['lookup_tokens']}`), fp32 target",
+                  "", "Ours alone vs ours with adaptive prompt lookup, greedy, end-to-end tokens/s (prefill "
+                  "included). Grounded prompts: HumanEval code with an edit instruction, Lee-corpus news "
+                  "articles with a restate or summarise instruction.", "",
+                  "| prompt | kind | new tokens | alone tok/s | lookup tok/s | ratio | acceptance rate | output |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            acc = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
+            lines.append(f"| {r['prompt']} | {r['kind']} | {r['new_tokens']} | {r['alone_tok_s']:.1f} | "
+                         f"{r['lookup_tok_s']:.1f} | x{r['ratio']:.2f} | {acc} | "
+                         f"{'identical' if r['token_identical'] else 'DIFFERENT'} |")
+        kinds = sorted({r["kind"] for r in rows})
+        summary = ", ".join(f"{k} median x{statistics.median(r['ratio'] for r in rows if r['kind'] == k):.2f}"
+                            for k in kinds)
+        lines += ["", f"Medians by kind: {summary}; slowest prompt x{min(r['ratio'] for r in rows):.2f}."]
+    return lines + [
         "",
         "Notes:",
         "- The roofline is weights bytes / measured bandwidth: the most tokens/s any one-token-at-a-time decoder "
@@ -240,7 +306,6 @@ def render_markdown(result) -> str:
         "run.",
         "",
     ]
-    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -255,6 +320,10 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="machine-readable results path")
     parser.add_argument("--no-assisted", action="store_true", help="skip the speculative decoding section")
     parser.add_argument("--draft-tokens", default="4,8,12", help="k values for the constant schedule")
+    parser.add_argument("--no-lookup", action="store_true", help="skip the prompt lookup section")
+    parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
+    parser.add_argument("--only", default=None, choices=["decode", "assisted", "lookup"],
+                        help="run one section only (the report then holds only that section)")
     args = parser.parse_args(argv)
     args.draft_tokens = [int(k) for k in args.draft_tokens.split(",")]
 
@@ -282,12 +351,31 @@ def main(argv=None):
         },
         "runs": [],
     }
-    assisted_runs = 0 if args.no_assisted else args.rounds * len(prompts) * (len(args.draft_tokens) + 3)
-    with tqdm(total=len(dtypes) * args.rounds * len(prompts) * 2 + assisted_runs, desc="bench", unit="run") as bar:
-        for dtype in dtypes:
-            result["runs"].append(run_dtype(path, tokenizer, prompts, dtype, args, bar))
-        if not args.no_assisted:
+    sections = {"decode", "assisted", "lookup"} if args.only is None else {args.only}
+    if args.no_assisted:
+        sections.discard("assisted")
+    if args.no_lookup:
+        sections.discard("lookup")
+    total = (len(dtypes) * args.rounds * len(prompts) * 2 if "decode" in sections else 0) + (
+        args.rounds * len(prompts) * (len(args.draft_tokens) + 3) if "assisted" in sections else 0) + (
+        args.rounds * 8 * 2 if "lookup" in sections else 0)
+    result["lookup_tokens"] = args.lookup_tokens
+    result["prompt_count"] = len(prompts)
+    with tqdm(total=total, desc="bench", unit="run") as bar:
+        if "decode" in sections:
+            for dtype in dtypes:
+                result["runs"].append(run_dtype(path, tokenizer, prompts, dtype, args, bar))
+        if "assisted" in sections:
             result["assisted"] = run_assisted(path, tokenizer, prompts, args, bar)
+        if "lookup" in sections:
+            result["lookup"] = run_lookup(path, tokenizer, args, bar)
+    if args.only and args.json and Path(args.json).is_file():
+        # one section re-measured: keep the other sections of the previous full run
+        previous = json.loads(Path(args.json).read_text())
+        for key in ("runs", "assisted", "lookup", "lookup_tokens"):
+            if not result.get(key) and previous.get(key):
+                result[key] = previous[key]
+        result["command"] += f"; other sections from {previous.get('date')}: {previous.get('command')}"
     report = render_markdown(result)
     print(report)
     if args.out:

