@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -36,6 +37,13 @@ from .patching import generation_patches
 from .utils.import_utils import ipex_status, log_fallback_once, parse_version, require_ipex
 
 logger = logging.getLogger("optimum_ipex_spec")
+
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss: logits at position t predict labels at t+1; -100 is ignored."""
+    shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    shift_labels = labels[:, -logits.shape[1]:][:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+
 
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
@@ -174,9 +182,20 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
     def can_generate(cls) -> bool:
         return True
 
-    def to(self, device: Union[str, torch.device]):
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"IPEXModelForCausalLM runs on the CPU only; got device={device}")
+    def to(self, *args, **kwargs):
+        """Accepts only the CPU (a no-op). dtype changes need a new export.
+
+        Raises:
+            ValueError: another device or a dtype.
+        """
+        for value in list(args) + list(kwargs.values()):
+            if isinstance(value, torch.dtype):
+                raise ValueError(
+                    f"IPEXModelForCausalLM cannot change dtype in place ({self._dtype} -> {value}); export again with "
+                    "from_pretrained(checkpoint, export=True, torch_dtype=...)"
+                )
+            if value is not None and not isinstance(value, bool) and torch.device(value).type != "cpu":
+                raise ValueError(f"IPEXModelForCausalLM runs on the CPU only; got device={value}")
         return self
 
     def eval(self):
@@ -211,8 +230,15 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
             ``CausalLMOutputWithPast`` with ``logits`` ``[batch, q, vocab]`` in the model dtype and the
             updated cache in ``past_key_values`` (None when ``use_cache=False``).
 
+            labels: optional int64 ``[batch, past + q]``-aligned targets as in transformers (``-100`` ignored);
+                the shifted cross-entropy is returned in ``loss``.
+
         Raises:
-            TypeError: a cache of the wrong class for this backend.
+            TypeError: a cache of the wrong class for this backend; non-integer ``input_ids``.
+            ValueError: (IPEX backend) empty or non-2-D ``input_ids``, token ids outside the vocabulary, a cache
+                of another batch size or layer count, an ``attention_mask`` of the wrong length, more positions
+                than ``config.max_position_embeddings`` (IPEX's rotary tables end there: the logits would be
+                NaN), or ``output_attentions`` / ``output_hidden_states`` (the fused graph does not return them).
         """
         if self.backend == "torch":
             outputs = self.model(
@@ -226,18 +252,21 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
             )
             return outputs if return_dict else outputs.to_tuple()
 
+        labels = kwargs.pop("labels", None)
+        for unsupported in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(unsupported):
+                raise ValueError(f"{unsupported}=True is not available on the IPEX backend (the fused graph does not "
+                                 "return them); load with backend='torch' to get them")
+        cache = self._checked_cache(input_ids, past_key_values)
         batch, q = input_ids.shape
-        if past_key_values is None:
-            cache = IPEXFusedCache(self._num_layers, batch, self._dtype)
-        elif isinstance(past_key_values, IPEXFusedCache):
-            cache = past_key_values
-        else:
-            raise TypeError(
-                f"past_key_values must be an IPEXFusedCache for the IPEX backend, got {type(past_key_values).__name__}"
-            )
         past = cache.get_seq_length()
         if attention_mask is None:
             attention_mask = torch.ones(batch, past + q, dtype=torch.long)
+        elif tuple(attention_mask.shape) != (batch, past + q):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {past + q}) = "
+                "(batch, cached tokens + new tokens)"
+            )
         if position_ids is None:
             position_ids = self._position_ids(attention_mask, past, q)
         graph = self.model
@@ -259,8 +288,43 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         finally:
             torch.jit.set_fusion_strategy(previous)
         cache.replace(layers)
-        out = CausalLMOutputWithPast(logits=logits, past_key_values=cache if use_cache else None)
+        loss = _causal_lm_loss(logits, labels) if labels is not None else None
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None)
         return out if return_dict else out.to_tuple()
+
+    def _checked_cache(self, input_ids, past_key_values) -> IPEXFusedCache:
+        """Validate inputs before they reach IPEX's kernels, which crash the process (SIGFPE/SIGSEGV/SIGABRT)
+        or return NaN instead of raising on bad shapes."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a 2-D tensor [batch, sequence]")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        batch, q = input_ids.shape
+        if batch == 0 or q == 0:
+            raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); pass at least one token")
+        vocab = self.config.get_text_config().vocab_size
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}) for this model; got values in [{low}, {high}]")
+        if past_key_values is None:
+            past_key_values = IPEXFusedCache(self._num_layers, batch, self._dtype)
+        if not isinstance(past_key_values, IPEXFusedCache):
+            raise TypeError(
+                f"past_key_values must be an IPEXFusedCache for the IPEX backend, got {type(past_key_values).__name__}"
+            )
+        if past_key_values.batch_size != batch or past_key_values.num_layers != self._num_layers:
+            raise ValueError(
+                f"past_key_values was made for batch {past_key_values.batch_size} and {past_key_values.num_layers} "
+                f"layers; this call has batch {batch} and the model {self._num_layers} layers"
+            )
+        limit = getattr(self.config.get_text_config(), "max_position_embeddings", None)
+        total = past_key_values.get_seq_length() + q
+        if limit and total > limit:
+            raise ValueError(
+                f"{total} positions exceed max_position_embeddings={limit} of this model: IPEX's rotary tables end "
+                "there and would return NaN. Shorten the prompt or max_new_tokens."
+            )
+        return past_key_values
 
     def _chunk_token_by_token(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         """Exact but slow path for a chunk on a cache (no verify graph, padded batch): one token per call."""
@@ -290,8 +354,10 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
 
     def _warmup(self, steps: int = 3) -> None:
         """Run the graph on a short prompt and a few decode steps so TorchScript's profiling
-        executor specializes it before the first user call."""
-        with torch.no_grad():
+        executor specializes it before the first user call (IPEX's one-time "JIT pass will be
+        deprecated" warning is emitted here and silenced)."""
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             ids = torch.ones(1, 8, dtype=torch.long)
             out = self.forward(ids)
             for _ in range(steps):
@@ -455,6 +521,11 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 "self_draft() needs the checkpoint this model was exported from; export it with "
                 "IPEXModelForCausalLM.from_pretrained(model_id, export=True) or load the draft yourself"
             )
+        if resolve_dtype(torch_dtype) == self._dtype:
+            raise ValueError(
+                f"this model is already {_dtype_name(self._dtype)}: a {_dtype_name(self._dtype)} copy is not a cheaper "
+                "draft. Use an fp32 target with the default bf16 draft, or pick another draft model."
+            )
         draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend)
         # A copy of the target agrees with it almost always: stopping a draft block early on low draft
         # confidence (transformers' default threshold 0.4) only costs extra rounds; the heuristic
@@ -484,7 +555,9 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 an architecture outside IPEX's fused path.
             IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX (the message has the pip command).
         """
-        model_id = str(model_id)
+        from .provision import resolve_model  # a provisioned name (e.g. "smollm2-135m-instruct") -> its folder
+
+        model_id = resolve_model(str(model_id))
         if not os.path.isdir(model_id) and (_looks_like_local_path(model_id) or os.path.exists(model_id)):
             if os.path.isfile(model_id):
                 raise FileNotFoundError(f"{model_id} is a file; pass the folder that contains config.json")
@@ -541,6 +614,12 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         check_causal_lm_config(config, model_id)
+        folder = os.path.join(model_id, subfolder) if subfolder else model_id
+        if os.path.isfile(os.path.join(folder, EXPORT_CONFIG_NAME)):
+            raise ValueError(
+                f"{model_id} is already an IPEX export (it has {EXPORT_CONFIG_NAME}): load it without export=True, "
+                "or export the original transformers checkpoint"
+            )
         dtype = resolve_dtype(torch_dtype, config)
         load_kwargs = dict(
             revision=revision,
@@ -623,8 +702,7 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 torch_dtype=torch_dtype,
                 backend=backend,
             )
-        with open(export_file) as f:
-            meta = json.load(f)
+        meta = _read_export_meta(export_file, model_id)
         saved_backend = meta["backend"]
         dtype = _DTYPES[meta["torch_dtype"]]
         if torch_dtype not in (None, "auto") and resolve_dtype(torch_dtype) != dtype:
@@ -650,11 +728,23 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                     f"{model_id} was exported with IPEX {saved} but IPEX {status.ipex_version} is installed; "
                     "re-export it with IPEXModelForCausalLM.from_pretrained(original_checkpoint, export=True)"
                 )
-            graph = load_ipex_graph(os.path.join(folder, IPEX_GRAPH_NAME))
-            verify_path = os.path.join(folder, IPEX_VERIFY_GRAPH_NAME)
-            verify = load_ipex_graph(verify_path) if os.path.isfile(verify_path) else None
-            return cls(graph, config, backend="ipex", dtype=dtype, generation_config=generation_config,
-                       model_save_dir=folder, verify_model=verify, source=meta.get("source"))
+            graph = _load_graph_file(folder, IPEX_GRAPH_NAME, meta, required=True)
+            verify = _load_graph_file(folder, IPEX_VERIFY_GRAPH_NAME, meta, required=False)
+            model = cls(graph, config, backend="ipex", dtype=dtype, generation_config=generation_config,
+                        model_save_dir=folder, verify_model=verify, source=meta.get("source"), warmup=False)
+            try:
+                model._warmup()
+            except RuntimeError as exc:  # e.g. a config.json that does not match the graph
+                raise ValueError(
+                    f"the graph in {folder} does not run with its config.json ({str(exc).splitlines()[0]}); "
+                    f"{_reexport_hint(meta)}"
+                ) from exc
+            return model
+        if backend == "ipex":
+            raise ValueError(
+                f"{model_id} holds a pure-PyTorch export (backend 'torch'); backend='ipex' needs a new export from "
+                f"the original checkpoint: {_reexport_hint(meta)}"
+            )
         eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
         return cls(eager.eval(), config, backend="torch", dtype=dtype, generation_config=generation_config,
                    model_save_dir=folder, source=meta.get("source"))
@@ -680,6 +770,54 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         self.generation_config.save_pretrained(save_directory)
         with open(os.path.join(save_directory, EXPORT_CONFIG_NAME), "w") as f:
             json.dump(meta, f, indent=2)
+
+
+def _reexport_hint(meta: dict) -> str:
+    source = meta.get("source") if isinstance(meta, dict) else None
+    target = repr(source) if source else "the original checkpoint"
+    return f"re-export it with IPEXModelForCausalLM.from_pretrained({target}, export=True)"
+
+
+def _read_export_meta(path: str, model_id: str) -> dict:
+    """Read and check ``ipex_export.json``; raise ValueError naming the file and the fix."""
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is unreadable ({exc}); {_reexport_hint({})}") from exc
+    if not isinstance(meta, dict) or meta.get("backend") not in ("ipex", "torch") or meta.get("torch_dtype") not in (
+        "float32", "bfloat16"
+    ):
+        raise ValueError(
+            f"{path} is not a valid export description (needs backend 'ipex'|'torch' and torch_dtype "
+            f"'float32'|'bfloat16'); {_reexport_hint(meta)}"
+        )
+    version = meta.get("format_version", 1)
+    if not isinstance(version, int) or version > EXPORT_FORMAT_VERSION:
+        raise ValueError(
+            f"{model_id} was written by a newer optimum-ipex-spec (export format {version}, this one reads <= "
+            f"{EXPORT_FORMAT_VERSION}); upgrade optimum-ipex-spec or {_reexport_hint(meta)}"
+        )
+    if meta.get("ipex_version") is not None:
+        try:
+            parse_version(str(meta["ipex_version"]))
+        except Exception as exc:
+            raise ValueError(f"{path}: ipex_version {meta['ipex_version']!r} is not a version; "
+                             f"{_reexport_hint(meta)}") from exc
+    return meta
+
+
+def _load_graph_file(folder: str, name: str, meta: dict, required: bool):
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        if required:
+            raise FileNotFoundError(f"{path} is missing; {_reexport_hint(meta)}")
+        return None
+    try:
+        return load_ipex_graph(path)
+    except RuntimeError as exc:
+        raise ValueError(f"{path} is not a loadable TorchScript graph (truncated or corrupted?); "
+                         f"{_reexport_hint(meta)}") from exc
 
 
 def _ipex_missing_for_load_error(model_id: str, meta: dict, reason: str) -> Exception:

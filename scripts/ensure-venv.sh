@@ -14,6 +14,7 @@ root=${OIS_VENV_ROOT:-$HOME/.cache/optimum-ipex-spec/venvs}
 stamp=$(cat "$req" "$data" | sha256sum | cut -c1-12)
 venv="$root/$lane-$stamp"
 quiet_pip() { grep -v "is ignored: it is neither a file nor a directory" || true; }
+export PYTHONWARNINGS=ignore  # setuptools' 10-line "Editable installation" banner on every call
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.ois-stamp" 2>/dev/null)" = "$stamp" ]; then
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" 2>&1 | quiet_pip >&2
   echo "$venv"; exit 0

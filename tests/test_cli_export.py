@@ -122,3 +122,35 @@ def test_cli_export_real_smollm2(smollm2_dir, tokenizer, tmp_path):
     assert torch.equal(loaded.generate(**inputs, max_new_tokens=32, do_sample=False),
                        in_process.generate(**inputs, max_new_tokens=32, do_sample=False))
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+
+
+def test_output_equal_to_model_folder_is_refused_and_checkpoint_kept(tiny_dir, tmp_path):
+    source = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir("llama"), source)
+    before = sorted(os.listdir(source))
+    for output in (source, tmp_path):  # the folder itself, or a folder that contains it
+        res = _run(["--model", source, output, "--overwrite"])
+        assert res.returncode == 2 and "would delete the checkpoint" in res.stderr
+        assert sorted(os.listdir(source)) == before
+
+
+def test_torch_path_export_validates(tiny_dir, tmp_path):
+    """GPT-2 is not on IPEX's fused path: the pure-PyTorch export must validate too."""
+    report = main_export(tiny_dir("gpt2"), str(tmp_path / "out"))
+    assert report.passed and report.backend == "torch", report.checks
+
+
+def test_bf16_checkpoint_with_auto_dtype_uses_bf16_tolerance(tiny_dir, tmp_path):
+    from conftest import build_tiny
+
+    model = build_tiny("llama").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    report = main_export(str(tmp_path / "bf16"), str(tmp_path / "out"), torch_dtype="auto")
+    assert report.dtype == "bfloat16" and report.atol == 1.5 and report.passed
+
+
+def test_bad_atol_and_unwritable_output(tiny_dir, tmp_path):
+    with pytest.raises(ExportError, match="non-negative"):
+        main_export(tiny_dir("llama"), str(tmp_path / "out"), atol=float("nan"))
+    with pytest.raises(ExportError, match="cannot write"):
+        main_export(tiny_dir("llama"), "/proc/nope/out")

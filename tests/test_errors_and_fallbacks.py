@@ -133,3 +133,128 @@ def test_torch_backend_round_trip(tiny_dir, tmp_path):
     loaded = IPEXModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.backend == "torch"
     assert torch.equal(loaded.generate(ids, max_new_tokens=16, do_sample=False), expected)
+
+
+# ----------------------------------------------------------------------------- inputs that would crash IPEX
+@pytest.fixture(scope="module")
+def ipex_llama(tiny_dir):
+    from optimum_ipex_spec.utils.import_utils import ipex_status
+
+    if not ipex_status().available:
+        pytest.skip("IPEX not usable in this lane")
+    return IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True)
+
+
+@pytest.mark.parametrize("ids, error, match", [
+    (torch.ones(1, 0, dtype=torch.long), ValueError, "empty"),  # IPEX: SIGFPE
+    (torch.ones(0, 5, dtype=torch.long), ValueError, "empty"),  # IPEX: SIGSEGV
+    (torch.ones(5, dtype=torch.long), ValueError, "2-D"),
+    (torch.ones(1, 5), TypeError, "integer"),
+    (torch.tensor([[1, 2, 10 ** 6]]), ValueError, r"token ids must be in \[0, 49152\)"),
+    (torch.tensor([[1, -2, 3]]), ValueError, "token ids"),
+])
+def test_bad_input_ids_raise_before_the_kernel(ipex_llama, ids, error, match):
+    with pytest.raises(error, match=match):
+        ipex_llama(ids)
+    if ids.dim() == 2 and ids.numel() == 0 and ids.shape[0] == 1:
+        with pytest.raises(ValueError, match="empty"):
+            ipex_llama.generate(ids, max_new_tokens=3)
+
+
+def test_cache_of_other_batch_or_depth_raises(ipex_llama):
+    from optimum_ipex_spec import IPEXFusedCache
+
+    with pytest.raises(ValueError, match="batch 3"):  # IPEX: SIGABRT
+        ipex_llama.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, past_key_values=IPEXFusedCache(2, 3))
+    with pytest.raises(ValueError, match="5 layers"):
+        ipex_llama(torch.tensor([[1, 2, 3]]), past_key_values=IPEXFusedCache(5, 1))
+
+
+def test_positions_beyond_max_position_embeddings_raise(tmp_path):
+    from optimum_ipex_spec.utils.import_utils import ipex_status
+
+    if not ipex_status().available:
+        pytest.skip("IPEX not usable in this lane")
+    model = build_tiny("llama", vocab_size=512)
+    model.config.max_position_embeddings = 64
+    model.save_pretrained(tmp_path)
+    ipex_model = IPEXModelForCausalLM.from_pretrained(tmp_path, export=True)
+    with pytest.raises(ValueError, match="max_position_embeddings=64"):  # IPEX: all-NaN logits
+        ipex_model(torch.ones(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_position_embeddings=64"):
+        ipex_model.generate(torch.ones(1, 60, dtype=torch.long), max_new_tokens=10, do_sample=False)
+
+
+def test_attention_mask_length_and_unsupported_outputs(ipex_llama):
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"expected \(1, 3\)"):
+        ipex_llama(ids, attention_mask=torch.ones(1, 5, dtype=torch.long))
+    for flag in ("output_attentions", "output_hidden_states"):
+        with pytest.raises(ValueError, match=flag):
+            ipex_llama(ids, **{flag: True})
+
+
+def test_labels_give_the_transformers_loss(ipex_llama, tiny_dir):
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dir("llama")).eval()
+    ids = torch.tensor([[5, 9, 200, 17, 3, 8]])
+    labels = ids.clone()
+    labels[0, :2] = -100
+    with torch.no_grad():
+        expected = stock(ids, labels=labels).loss
+        got = ipex_llama(ids, labels=labels).loss
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_to_dtype_or_device_raises(ipex_llama):
+    with pytest.raises(ValueError, match="cannot change dtype"):
+        ipex_llama.to(torch.float16)
+    with pytest.raises(ValueError, match="CPU only"):
+        ipex_llama.to("cuda")
+    assert ipex_llama.to("cpu") is ipex_llama
+
+
+# ----------------------------------------------------------------------------- broken or mismatched folders
+def _saved_copy(model, tmp_path, name="export"):
+    folder = tmp_path / name
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_corrupted_export_files_name_the_file_and_fix(ipex_llama, tmp_path):
+    import json
+
+    folder = _saved_copy(ipex_llama, tmp_path)
+    graph = folder / "ipex_model.pt"
+    graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"ipex_model.pt is not a loadable TorchScript graph.*re-export"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+    graph.unlink()
+    with pytest.raises(FileNotFoundError, match=r"ipex_model.pt is missing.*re-export"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+    meta = folder / "ipex_export.json"
+    for broken in ("{", json.dumps({"torch_dtype": "float32"}), json.dumps([1, 2]),
+                   json.dumps({"backend": "ipex", "torch_dtype": "float16"})):
+        meta.write_text(broken)
+        with pytest.raises(ValueError, match="ipex_export.json"):
+            IPEXModelForCausalLM.from_pretrained(folder)
+    meta.write_text(json.dumps({"backend": "ipex", "torch_dtype": "float32", "format_version": 99}))
+    with pytest.raises(ValueError, match="newer optimum-ipex-spec"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+
+
+def test_export_true_on_an_export_and_backend_mismatch(ipex_llama, tiny_dir, tmp_path):
+    folder = _saved_copy(ipex_llama, tmp_path)
+    with pytest.raises(ValueError, match="already an IPEX export"):
+        IPEXModelForCausalLM.from_pretrained(folder, export=True)
+    torch_folder = _saved_copy(IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, backend="torch"),
+                               tmp_path, "torch-export")
+    with pytest.raises(ValueError, match="pure-PyTorch export"):
+        IPEXModelForCausalLM.from_pretrained(torch_folder, backend="ipex")
+
+
+def test_provisioned_name_is_accepted(monkeypatch, tiny_dir):
+    from optimum_ipex_spec import provision
+
+    monkeypatch.setattr(provision, "provision", lambda name, cache_dir=None: tiny_dir("llama"))
+    model = IPEXModelForCausalLM.from_pretrained("smollm2-135m-instruct", export=True)
+    assert model.config.num_hidden_layers == 2

@@ -20,7 +20,10 @@ from typing import List, Optional
 logger = logging.getLogger("optimum_ipex_spec")
 
 TASKS = ("text-generation", "text-generation-with-past")
-DEFAULT_ATOL = {"float32": 1e-4, "bfloat16": 0.25}
+#: Defaults for the max |logit difference| against the eager fp32 model. fp32: measured 7.5e-5 on
+#: SmolLM2 (logits of magnitude ~30). bf16 keeps 8 mantissa bits, so a logit near 30 is only resolved
+#: to 0.125 and 30 layers of bf16 rounding add up: measured 0.72 on SmolLM2, 0.02 on tiny models.
+DEFAULT_ATOL = {"float32": 1e-4, "bfloat16": 1.5}
 SAMPLE_TEXTS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "The history of the printing press begins in",
@@ -42,6 +45,7 @@ class ValidationReport:
         passed: ``max_abs_diff <= atol``.
         backend: backend of the reloaded export ("ipex" or "torch").
         checks: one line per sample input and forward kind.
+        dtype: dtype of the reloaded export ("float32" or "bfloat16").
     """
 
     max_abs_diff: float
@@ -49,6 +53,7 @@ class ValidationReport:
     passed: bool
     backend: str
     checks: List[str] = field(default_factory=list)
+    dtype: str = "float32"
 
 
 def infer_task(config) -> str:
@@ -58,7 +63,15 @@ def infer_task(config) -> str:
     return "text-generation-with-past"
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
+def _check_output(output: Path, overwrite: bool, model_id: str) -> None:
+    source = Path(model_id).expanduser()
+    if source.exists():
+        source = source.resolve()
+        if output == source or output in source.parents:
+            raise ExportError(
+                f"output {output} is the model folder or contains it: --overwrite would delete the checkpoint being "
+                "exported; choose another output folder"
+            )
     if output.exists() and not output.is_dir():
         raise ExportError(f"output {output} exists and is not a folder")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
@@ -103,10 +116,12 @@ def main_export(
     from ..utils.import_utils import IPEXNotAvailableError
 
     output_path = Path(output).expanduser().resolve()
-    _check_output(output_path, overwrite)
     if task != "auto" and task not in TASKS:
         raise ExportError(f"task {task!r} is not supported by the IPEX exporter; supported: {', '.join(TASKS)}")
+    if atol is not None and not atol >= 0:  # also rejects NaN
+        raise ExportError(f"--atol must be a non-negative number, got {atol}")
     model_id = resolve_model(model)
+    _check_output(output_path, overwrite, model_id)
     hub = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                trust_remote_code=trust_remote_code)
     config = _load_config(model_id, **hub)
@@ -115,18 +130,19 @@ def main_export(
     except ValueError as exc:
         raise ExportError(str(exc)) from exc
 
+    try:
+        output_path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output_path.name}-", dir=output_path.parent))
+    except OSError as exc:
+        raise ExportError(f"cannot write to {output_path.parent}: {exc}") from exc
     steps = tqdm(total=4 + (2 if with_draft else 0), desc="export ipex", unit="step")
-    output_path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_path.name}-", dir=output_path.parent))
     try:
         steps.set_postfix_str("loading and exporting")
         try:
             exported = IPEXModelForCausalLM.from_pretrained(
                 model_id, export=True, torch_dtype=torch_dtype, backend=backend, **hub
             )
-        except IPEXNotAvailableError as exc:
-            raise ExportError(str(exc)) from exc
-        except FileNotFoundError as exc:
+        except (IPEXNotAvailableError, FileNotFoundError, ValueError) as exc:
             raise ExportError(str(exc)) from exc
         steps.update(1)
         steps.set_postfix_str("saving")
@@ -147,18 +163,17 @@ def main_export(
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     steps.set_postfix_str("validating")
-    dtype_name = "bfloat16" if str(torch_dtype) in ("bfloat16", "torch.bfloat16") else "float32"
-    report = validate_export(output_path, model_id, tokenizer, atol if atol is not None else DEFAULT_ATOL[dtype_name],
-                             hub)
+    report = validate_export(output_path, model_id, tokenizer, atol, hub)
     steps.update(2)
+    reports = [(output_path, report)]
     if with_draft:
-        draft_report = validate_export(output_path / "draft-bf16", model_id, tokenizer,
-                                       atol if atol is not None else DEFAULT_ATOL["bfloat16"], hub)
-        report.checks += [f"draft-bf16: {c}" for c in draft_report.checks]
-        report.passed = report.passed and draft_report.passed
+        reports.append((output_path / "draft-bf16", validate_export(output_path / "draft-bf16", model_id, tokenizer,
+                                                                     atol, hub)))
         steps.update(1)
     steps.close()
-    _print_report(output_path, task, dtype_name, report)
+    for folder, folder_report in reports:
+        _print_report(folder, task, folder_report)
+    report.passed = all(r.passed for _, r in reports)
     return report
 
 
@@ -183,15 +198,17 @@ def _sample_inputs(tokenizer, vocab_size: int):
     return [torch.randint(0, vocab_size, (1, n), generator=generator) for n in (9, 17, 33)]
 
 
-def validate_export(folder: Path, model_id: str, tokenizer, atol: float, hub: dict) -> ValidationReport:
+def validate_export(folder: Path, model_id: str, tokenizer, atol: Optional[float], hub: dict) -> ValidationReport:
     """Reload ``folder`` and compare its logits with the eager fp32 model on prefill, a decode step
-    and a 4-token chunk on the cache."""
+    and a 4-token chunk on the cache. ``atol`` None: the default for the export's dtype."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from ..modeling import IPEXModelForCausalLM
 
     reloaded = IPEXModelForCausalLM.from_pretrained(folder)
+    dtype = str(reloaded.dtype).replace("torch.", "")
+    atol = DEFAULT_ATOL[dtype] if atol is None else atol
     eager = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype=torch.float32, **hub).eval()
     worst, checks = 0.0, []
     with torch.no_grad():
@@ -203,18 +220,16 @@ def validate_export(folder: Path, model_id: str, tokenizer, atol: float, hub: di
             diffs = {"prefill": (out.logits.float() - full[:, :split]).abs().max().item()}
             step = reloaded(ids[:, split : split + 1], past_key_values=out.past_key_values)
             diffs["decode"] = (step.logits.float() - full[:, split : split + 1]).abs().max().item()
-            chunk = reloaded(ids[:, split + 1 :], past_key_values=out.past_key_values)
+            chunk = reloaded(ids[:, split + 1 :], past_key_values=step.past_key_values)
             diffs["chunk on cache"] = (chunk.logits.float() - full[:, split + 1 :]).abs().max().item()
             worst = max(worst, *diffs.values())
             checks.append(f"{n:3d} tokens: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
-    return ValidationReport(worst, atol, worst <= atol, reloaded.backend, checks)
+    return ValidationReport(worst, atol, worst <= atol, reloaded.backend, checks, dtype)
 
 
-def _print_report(output: Path, task: str, dtype: str, report: ValidationReport) -> None:
-    print(f"Exported to {output} (task {task}, {dtype}, backend {report.backend})")
+def _print_report(output: Path, task: str, report: ValidationReport) -> None:
+    print(f"Exported to {output} (task {task}, {report.dtype}, backend {report.backend})")
     for line in report.checks:
         print(f"  max |logit diff| vs eager transformers, {line}")
-    verdict = "PASS" if report.passed else "FAIL"
-    print(f"Validation: max |logit diff| {report.max_abs_diff:.3e} <= atol {report.atol:g}: {verdict}"
-          if report.passed else
-          f"Validation: max |logit diff| {report.max_abs_diff:.3e} > atol {report.atol:g}: {verdict}")
+    relation, verdict = ("<=", "PASS") if report.passed else (">", "FAIL")
+    print(f"Validation: max |logit diff| {report.max_abs_diff:.3e} {relation} atol {report.atol:g}: {verdict}")

@@ -44,9 +44,16 @@ def ipex_supports(config) -> bool:
 def _quiet_export():
     """ipex.llm.optimize prints progress with print() and tracing emits dozens of TracerWarnings and
     deprecation warnings from IPEX's and transformers' internals, none actionable for a user."""
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "loss_type=None was set in the config but it is unrecognised"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
