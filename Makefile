@@ -9,7 +9,7 @@ help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
 	@echo "make test       the full test suite, real-model tests included (what CI runs)"
 	@echo "make test-fast  tiny-model tests only (-m 'not slow')"
-	@echo "make bench      benchmarks -> docs/benchmarks.md (takes ~10 minutes)"
+	@echo "make bench      benchmarks -> docs/benchmarks.md (decode, assisted, prompt lookup: ~20 minutes)"
 	@echo "make provision  build the real model folders in ~/.cache/optimum_ipex_spec/models"
 	@echo "LANE=$(LANE) (environments: requirements/<lane>.txt, built by scripts/ensure-venv.sh)"
 

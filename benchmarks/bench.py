@@ -324,7 +324,13 @@ def main(argv=None):
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
     parser.add_argument("--only", default=None, choices=["decode", "assisted", "lookup"],
                         help="run one section only (the report then holds only that section)")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="only re-render --out from a results file written by --json")
     args = parser.parse_args(argv)
+    if args.render:
+        report = render_markdown(json.loads(Path(args.render).read_text()))
+        Path(args.out).write_text(report) if args.out else print(report)
+        return
     args.draft_tokens = [int(k) for k in args.draft_tokens.split(",")]
 
     torch.set_num_threads(args.threads)
@@ -336,7 +342,7 @@ def main(argv=None):
 
     status = ipex_status()
     result = {
-        "command": "make bench  (" + " ".join(["benchmarks/bench.py"] + (argv or sys.argv[1:])) + ")",
+        "command": " ".join(["python benchmarks/bench.py"] + (argv or sys.argv[1:])),
         "date": datetime.date.today().isoformat(),
         "model": args.model,
         "new_tokens": args.new_tokens,

