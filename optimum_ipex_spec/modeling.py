@@ -34,6 +34,7 @@ from .exporters.ipex import (
     save_ipex_graph,
 )
 from .patching import generation_patches
+from .utils.fs import looks_like_local_path
 from .utils.import_utils import ipex_status, log_fallback_once, parse_version, require_ipex
 
 logger = logging.getLogger("optimum_ipex_spec")
@@ -90,11 +91,6 @@ def resolve_dtype(torch_dtype: Union[None, str, torch.dtype], config: Optional[P
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def _looks_like_local_path(model_id: str) -> bool:
-    """Hub ids are ``name`` or ``org/name``; anything rooted or deeper is meant as a folder."""
-    return model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
 
 
 def check_causal_lm_config(config: PretrainedConfig, model_id: str) -> None:
@@ -558,7 +554,7 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         from .provision import resolve_model  # a provisioned name (e.g. "smollm2-135m-instruct") -> its folder
 
         model_id = resolve_model(str(model_id))
-        if not os.path.isdir(model_id) and (_looks_like_local_path(model_id) or os.path.exists(model_id)):
+        if not os.path.isdir(model_id) and (looks_like_local_path(model_id) or os.path.exists(model_id)):
             if os.path.isfile(model_id):
                 raise FileNotFoundError(f"{model_id} is a file; pass the folder that contains config.json")
             raise FileNotFoundError(

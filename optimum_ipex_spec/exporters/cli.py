@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
+
+from ..utils.fs import looks_like_local_path, staged_directory
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -81,7 +81,7 @@ def _check_output(output: Path, overwrite: bool, model_id: str) -> None:
 def _load_config(model_id: str, **hub):
     from transformers import AutoConfig
 
-    if (model_id.startswith((".", "/", "~")) or model_id.count("/") > 1) and not os.path.isdir(model_id):
+    if looks_like_local_path(model_id) and not os.path.isdir(model_id):
         raise ExportError(f"model folder {model_id} does not exist")
     try:
         return AutoConfig.from_pretrained(model_id, **hub)
@@ -132,11 +132,10 @@ def main_export(
 
     try:
         output_path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{output_path.name}-", dir=output_path.parent))
     except OSError as exc:
         raise ExportError(f"cannot write to {output_path.parent}: {exc}") from exc
     steps = tqdm(total=4 + (2 if with_draft else 0), desc="export ipex", unit="step")
-    try:
+    with staged_directory(output_path) as staging:
         steps.set_postfix_str("loading and exporting")
         try:
             exported = IPEXModelForCausalLM.from_pretrained(
@@ -155,13 +154,6 @@ def main_export(
             draft.save_pretrained(staging / "draft-bf16")
             steps.update(1)
         del exported
-        if output_path.exists():
-            shutil.rmtree(output_path)
-        staging.chmod(0o755)  # mkdtemp makes it private
-        staging.rename(output_path)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     steps.set_postfix_str("validating")
     report = validate_export(output_path, model_id, tokenizer, atol, hub)
     steps.update(2)
