@@ -263,12 +263,13 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {past + q}) = "
                 "(batch, cached tokens + new tokens)"
             )
+        unpadded = bool(attention_mask.all())  # one reduction per step, used twice below
         if position_ids is None:
-            position_ids = self._position_ids(attention_mask, past, q)
+            position_ids = self._position_ids(attention_mask, past, q, unpadded)
         graph = self.model
         if past > 0 and q > 1:
             # IPEX's fused attention is wrong for a chunk on a non-empty cache: use the verify graph.
-            if self.verify_model is None or batch != 1 or not bool(attention_mask.all()):
+            if self.verify_model is None or batch != 1 or not unpadded:
                 logits = self._chunk_token_by_token(input_ids, attention_mask, position_ids, cache)
                 out = CausalLMOutputWithPast(logits=logits, past_key_values=cache if use_cache else None)
                 return out if return_dict else out.to_tuple()
@@ -341,8 +342,8 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         return torch.cat(logits, dim=1)
 
     @staticmethod
-    def _position_ids(attention_mask: torch.Tensor, past: int, q: int) -> torch.Tensor:
-        if bool(attention_mask.all()):
+    def _position_ids(attention_mask: torch.Tensor, past: int, q: int, unpadded: bool) -> torch.Tensor:
+        if unpadded:
             return torch.arange(past, past + q, dtype=torch.long).unsqueeze(0).expand(attention_mask.shape[0], -1)
         position_ids = attention_mask.long().cumsum(-1) - 1
         position_ids.masked_fill_(attention_mask == 0, 1)
