@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, StoppingCriteriaList
 
 from conftest import build_tiny
 from optimum_ipex_spec import IPEXModelForCausalLM
@@ -158,19 +158,13 @@ def test_prompt_across_ipex_preallocated_length(tiny_dir):
                        stock.generate(ids, max_new_tokens=24, do_sample=False))
 
 
-class _StopAt(StoppingCriteria):
-    def __init__(self, length):
-        self.length = length
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
-
-
 def test_custom_stopping_criteria(tiny_dir, tokenizer):
     stock, target, draft = _stock_and_pair(tiny_dir)
     inputs = tokenizer(TEXTS[0], return_tensors="pt")
     stop = inputs.input_ids.shape[1] + 11
-    kw = dict(max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([_StopAt(stop)]))
+    from test_modeling import _StopAfter
+
+    kw = dict(max_new_tokens=30, do_sample=False, stopping_criteria=StoppingCriteriaList([_StopAfter(stop)]))
     expected = stock.generate(**inputs, **kw)
     got = target.generate(**inputs, assistant_model=draft, **kw)
     assert torch.equal(got, expected) and got.shape[1] == stop
