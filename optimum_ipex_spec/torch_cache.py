@@ -1,0 +1,156 @@
+"""A preallocated KV cache with exact multi-token crop, for the pure-PyTorch path.
+
+Per decoder layer, keys and values live in ``[batch, kv_heads, capacity, head_dim]`` buffers (model
+dtype) written in place at rows ``length .. length + q - 1``; a forward reads rows ``0 .. length + q - 1``.
+Cropping to ``n`` tokens only sets ``length = n``: rows past ``n`` are overwritten by the next forward
+before anything reads them, so a rollback after rejected draft tokens costs nothing and is exact.
+Capacity grows by doubling when a forward needs more rows (one copy, amortized).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+
+class PreallocatedKVCache(DynamicCache):
+    """KV cache of :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder`.
+
+    A ``DynamicCache`` subclass because transformers' assisted generation rolls back ``DynamicCache``
+    instances through :meth:`crop` (transformers <= 4.53; later releases call ``Cache.crop``); the
+    inherited per-layer lists are not used.
+
+    Args:
+        num_layers: decoder layers.
+        batch_size: sequences in the batch.
+        kv_heads: key/value heads per layer.
+        head_dim: size of one head.
+        dtype: dtype of keys/values (the model's).
+        capacity: rows to allocate up front (e.g. prompt + ``max_new_tokens``); grows on demand.
+    """
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, capacity: int = 256):
+        super().__init__()
+        self.num_layers = num_layers
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.length = 0
+        shape = (batch_size, kv_heads, max(int(capacity), 1), head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    # -- what the decoder calls -------------------------------------------------------------------
+    def reserve(self, total: int) -> None:
+        """Make room for ``total`` rows (doubling), keeping the first :attr:`length` rows."""
+        if total <= self.capacity:
+            return
+        new_capacity = max(total, 2 * self.capacity)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                grown = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])
+                grown[:, :, : self.length] = old[:, :, : self.length]
+                buffers[i] = grown
+
+    def resize_batch(self, batch_size: int) -> None:
+        """Reallocate an empty cache for ``batch_size`` sequences (generate() creates the cache before it expands
+        the batch for beams or ``num_return_sequences``).
+
+        Raises:
+            ValueError: the cache already holds tokens.
+        """
+        if self.length:
+            raise ValueError(f"the cache holds {self.length} tokens for batch {self.batch_size}; cannot resize it")
+        shape = (batch_size,) + tuple(self.keys[0].shape[1:])
+        self.keys = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.num_layers)]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key``/``value`` ``[batch, kv_heads, q, head_dim]`` after the cached rows and return views of
+        all ``length + q`` rows. :meth:`advance` commits the step once every layer has written."""
+        end = self.length + key.shape[2]
+        self.keys[layer][:, :, self.length:end] = key
+        self.values[layer][:, :, self.length:end] = value
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, q: int) -> None:
+        self.length += q
+
+    # -- transformers Cache API (4.4x-5.x) --------------------------------------------------------
+    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
+        """Number of cached tokens (int)."""
+        return self.length
+
+    def get_max_cache_shape(self) -> Optional[int]:
+        return None
+
+    def get_max_length(self) -> Optional[int]:
+        return None
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens; a negative value drops ``-max_length`` tokens (5.x's convention:
+        ``crop(-n)`` removes ``n``, ``crop(0)`` removes none).
+
+        Raises:
+            ValueError: more tokens requested than cached.
+        """
+        if max_length < 0:
+            keep = self.length + max_length
+        elif max_length == 0 and _ZERO_MEANS_NOTHING:
+            keep = self.length
+        else:
+            keep = max_length
+        if keep < 0 or keep > self.length:
+            raise ValueError(f"cannot crop the cache to {keep} tokens: it holds {self.length}")
+        self.length = keep
+
+    def activate_past_recording(self) -> None:
+        """5.x marks assistant caches for rollback; every state here can be rolled back."""
+
+    def deactivate_past_recording(self) -> None:
+        """See :meth:`activate_past_recording`."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: select rows of the batch (``beam_idx`` int64 ``[batch]``)."""
+        self.keys = [k.index_select(0, beam_idx) for k in self.keys]
+        self.values = [v.index_select(0, beam_idx) for v in self.values]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.keys = [k.repeat_interleave(repeats, 0) for k in self.keys]
+        self.values = [v.repeat_interleave(repeats, 0) for v in self.values]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys = [k[indices] for k in self.keys]
+        self.values = [v[indices] for v in self.values]
+
+    def to_legacy_cache(self):
+        return tuple((k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.keys, self.values))
+
+
+def _zero_means_nothing() -> bool:
+    """transformers >= 5 calls ``crop(0)`` meaning "remove 0 tokens"; 4.x never calls it (there it would mean
+    "keep 0 tokens", which no caller asks for)."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
+_ZERO_MEANS_NOTHING = _zero_means_nothing()

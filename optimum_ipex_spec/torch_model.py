@@ -1,0 +1,137 @@
+"""The pure-PyTorch decoder used where IPEX is not available (no IPEX installed, a torch IPEX does not
+support, or transformers 5.x).
+
+It runs a transformers Llama-family model (Llama, Mistral, Qwen2: pre-norm decoder layers with rotary
+position embeddings and grouped-query attention) with the model's own modules for the projections, norms,
+MLPs and rotary tables, but replaces what makes stock decoding slow on a CPU: per-step cache objects and
+mask construction, and lays the weights out for one-token matrix-vector products: the query/key/value
+projections fused into one matrix, gate/up into another, every matrix stored transposed (``[in, out]``,
+contiguous), which streams the weights from memory about 1.3x faster than ``nn.Linear`` does here
+(measured: 27.5 vs 36.6 ms per token for SmolLM2's decoder layers, 5.0 vs 9.9 ms for its LM head, fp32,
+1 thread). Keys/values go into a :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache`;
+attention is one fused ``torch.nn.functional.scaled_dot_product_attention`` call per layer over the cached
+rows, with an explicit mask only when it is needed (left padding, a chunk on a cache, a sliding window).
+A chunk of ``q`` tokens on a non-empty cache (speculative decoding's verification) is exact: position
+``i`` of the chunk attends to the cache and chunk positions ``<= i``.
+
+The design follows pytorch-labs/gpt-fast (a preallocated cache written in place, SDPA over it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .torch_cache import PreallocatedKVCache
+
+#: transformers model classes whose decoder layers this module can run.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class TorchCausalLMDecoder(torch.nn.Module):
+    """Forward of a Llama-family transformers model over a :class:`PreallocatedKVCache`.
+
+    Args:
+        model: a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (eval mode); its
+            modules are used, not copied.
+
+    Raises:
+        ValueError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        name = type(model).__name__
+        if name not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"{name} is not supported by the pure-PyTorch decoder ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        config = model.config
+        self.model = model
+        self.num_heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_layers = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        if type(model).__name__ == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
+            window = None
+        self.sliding_window: Optional[int] = window
+        self._layers = [self._pack(layer) for layer in model.model.layers]
+        self._lm_head_t = model.lm_head.weight.detach().t().contiguous()  # [hidden, vocab]
+
+    @staticmethod
+    def _pack(layer) -> tuple:
+        """(qkv_t [hidden, q+k+v], qkv_bias or None, o_t [heads*head_dim, hidden], gate_up_t [hidden, 2*inter],
+        down_t [inter, hidden]) for one decoder layer; copies, so the transformers model stays untouched."""
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv_t = torch.cat([p.weight.detach() for p in projections], 0).t().contiguous()
+        bias = None
+        if any(p.bias is not None for p in projections):
+            bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
+                              for p in projections])
+        gate_up_t = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0).t().contiguous()
+        return (qkv_t, bias, attn.o_proj.weight.detach().t().contiguous(), gate_up_t,
+                mlp.down_proj.weight.detach().t().contiguous())
+
+    def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype) -> PreallocatedKVCache:
+        return PreallocatedKVCache(self.num_layers, batch_size, self.kv_heads, self.head_dim, dtype, capacity)
+
+    def _mask(self, attention_mask: torch.Tensor, past: int, q: int, unpadded: bool) -> Optional[torch.Tensor]:
+        """Boolean ``[batch, 1, q, past + q]`` (True = attend), or None when SDPA needs none: one unpadded token
+        on the cache, or an unpadded prefill (``is_causal``), within the sliding window."""
+        total = past + q
+        needs_window = self.sliding_window is not None and total > self.sliding_window
+        if unpadded and not needs_window and (q == 1 or past == 0):
+            return None
+        query_pos = torch.arange(past, total).unsqueeze(1)
+        key_pos = torch.arange(total).unsqueeze(0)
+        allowed = key_pos <= query_pos
+        if needs_window:
+            allowed &= key_pos > query_pos - self.sliding_window
+        mask = allowed[None, None] & attention_mask.bool()[:, None, None, :]
+        if not unpadded:
+            # a padding query row would attend to nothing (NaN): let it see itself; its output is never used
+            mask |= (key_pos == query_pos)[None, None]
+        return mask
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor, attention_mask: torch.Tensor,
+                cache: PreallocatedKVCache, unpadded: bool) -> torch.Tensor:
+        """Logits ``[batch, q, vocab]`` (model dtype) for ``input_ids`` int64 ``[batch, q]`` at ``position_ids``
+        int64 ``[batch, q]``, given ``attention_mask`` int64 ``[batch, cache.length + q]``; appends the chunk's
+        keys/values to ``cache``."""
+        inner = self.model.model
+        batch, q = input_ids.shape
+        past = cache.length
+        cache.reserve(past + q)
+        hidden = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(hidden, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        mask = self._mask(attention_mask, past, q, unpadded)
+        causal = mask is None and q > 1  # an unpadded prefill
+        q_size, kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+        for index, (layer, (qkv_t, qkv_bias, o_t, gate_up_t, down_t)) in enumerate(zip(inner.layers, self._layers)):
+            qkv = layer.input_layernorm(hidden) @ qkv_t
+            if qkv_bias is not None:
+                qkv = qkv + qkv_bias
+            query, key, value = qkv.split((q_size, kv_size, kv_size), dim=-1)
+            query = query.view(batch, q, self.num_heads, self.head_dim).transpose(1, 2)
+            key = key.view(batch, q, self.kv_heads, self.head_dim).transpose(1, 2)
+            value = value.view(batch, q, self.kv_heads, self.head_dim).transpose(1, 2)
+            query = query * cos + _rotate_half(query) * sin
+            key = key * cos + _rotate_half(key) * sin
+            keys, values = cache.write(index, key, value)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
+                                                 scale=layer.self_attn.scaling,
+                                                 enable_gqa=self.kv_heads != self.num_heads)
+            hidden = hidden + out.transpose(1, 2).reshape(batch, q, q_size) @ o_t
+            gate, up = (layer.post_attention_layernorm(hidden) @ gate_up_t).chunk(2, dim=-1)
+            hidden = hidden + (layer.mlp.act_fn(gate) * up) @ down_t
+        cache.advance(q)
+        return inner.norm(hidden) @ self._lm_head_t
