@@ -6,7 +6,8 @@ exec(open("optimum_ipex_spec/version.py").read(), version)
 # The IPEX lane pins an exact, validated set: IPEX X.Y imports only next to torch X.Y.*, and
 # IPEX 2.8's ipex.llm.optimize fails with transformers >= 4.52 (see README, "Version lanes").
 IPEX_LANE = ["torch==2.8.0", "intel-extension-for-pytorch==2.8.0", "transformers==4.51.3"]
-IPEX27_LANE = ["torch==2.7.1", "intel-extension-for-pytorch==2.7.0", "transformers==4.48.0"]
+# IPEX 2.7 imports pkg_resources, which setuptools >= 81 no longer ships
+IPEX27_LANE = ["torch==2.7.1", "intel-extension-for-pytorch==2.7.0", "transformers==4.48.0", "setuptools<81"]
 TESTS = ["pytest>=8", "parameterized>=0.9", "gguf>=0.10", "sentencepiece", "pyyaml"]
 
 setup(

@@ -48,7 +48,7 @@ class IPEXFusedCache(DynamicCache):
         # tensor lists we never use; set only what its inherited helpers read.
         self.key_cache, self.value_cache, self._seen_tokens = [], [], 0
         self.num_layers = num_layers
-        self.batch_size = batch_size
+        self._batch_size = batch_size
         self.dtype = dtype
         empty_info = torch.zeros(1, 0, 0, 1, dtype=torch.long)
         beam_idx = torch.zeros(IPEX_PREALLOCATED_POSITIONS, batch_size, dtype=torch.long)
@@ -56,6 +56,10 @@ class IPEXFusedCache(DynamicCache):
             (empty_info, torch.zeros(1, 1, 1, 1, dtype=dtype), torch.zeros(1, 1, 1, 1, dtype=dtype), beam_idx)
             for _ in range(num_layers)
         )
+
+    @property
+    def batch_size(self) -> int:  # a read-only property of Cache in transformers >= 5
+        return self._batch_size
 
     # -- what the model wrapper calls --------------------------------------------------------------
     def replace(self, layers: Tuple[Tuple[torch.Tensor, ...], ...]) -> None:

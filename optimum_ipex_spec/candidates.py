@@ -134,7 +134,7 @@ class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):
     def __init__(self, eos_token_id=None, num_output_tokens: int = 10, max_matching_ngram_size=None,
                  max_length: int = 20, logits_processor=None, vocab_size: Optional[int] = None):
         super().__init__(eos_token_id=eos_token_id, num_output_tokens=num_output_tokens,
-                         max_matching_ngram_size=max_matching_ngram_size, max_length=max_length)
+                         max_matching_ngram_size=max_matching_ngram_size or 2, max_length=max_length)
         if self.eos_token_id is None:  # transformers 4.51 passes None to torch.isin and raises TypeError
             self.eos_token_id = torch.empty(0, dtype=torch.long)
         self.min_ngram = 1 if self.max_matching_ngram_size == 1 else 2
@@ -208,3 +208,59 @@ class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):
             self.expected_accepted = self._break_even(self.num_output_tokens)
         else:
             self.backoff = 1
+
+
+class StoppingCriteriaAwareCandidates:
+    """Wraps a candidate generator so that no proposal reaches past a user stopping criterion.
+
+    transformers >= 5 checks stopping criteria other than EOS and ``max_length`` only at the end of an accepted
+    block, so a block that crosses the point where the criterion fires returns tokens that plain greedy
+    decoding would not (its own comment in ``_assisted_decoding`` says so). This wrapper evaluates the criteria
+    (with ``scores=None``) on each prefix of the proposal and cuts the proposal one token before the first
+    prefix that stops: at most the target's own next token then reaches the stopping point, and transformers'
+    end-of-block check stops there, as plain decoding would.
+
+    It also wraps user-written generators (with an empty criteria list) to give them the attributes
+    transformers 5 reads from every candidate generator (``requires_model_outputs``).
+
+    Args:
+        generator: any object with transformers' two-method candidate-generator interface.
+        stopping_criteria: the user's ``StoppingCriteriaList`` or list (criteria are called with ``scores=None``;
+            one that needs the scores is left to transformers' own end-of-block check).
+    """
+
+    def __init__(self, generator, stopping_criteria):
+        from transformers import StoppingCriteriaList
+
+        self.generator = generator
+        self.stopping_criteria = (stopping_criteria if isinstance(stopping_criteria, StoppingCriteriaList)
+                                  else StoppingCriteriaList(stopping_criteria))
+
+    def _stops(self, ids: torch.LongTensor) -> bool:
+        try:
+            return bool(self.stopping_criteria(ids, None).any())
+        except (TypeError, AttributeError):  # a criterion that needs the scores: it is checked by transformers
+            return False
+
+    def get_candidates(self, input_ids: torch.LongTensor):
+        candidates, logits = self.generator.get_candidates(input_ids)
+        start = input_ids.shape[1]
+        for end in range(start + 1, candidates.shape[1] + 1):
+            if self._stops(candidates[:, :end]):
+                keep = end - 1 - start  # proposals strictly before the stopping point
+                candidates = candidates[:, : start + keep]
+                logits = logits[:, :keep] if logits is not None else None
+                break
+        return candidates, logits
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        return self.generator.update_candidate_strategy(input_ids, scores, num_matches)
+
+    @property
+    def requires_model_outputs(self) -> bool:
+        """transformers 5 asks whether the target must return extra outputs (hidden states) for the generator;
+        a user-written two-method generator does not need them."""
+        return getattr(self.generator, "requires_model_outputs", False)
+
+    def __getattr__(self, name):  # anything else transformers reads (e.g. the assistant model) is the wrapped one's
+        return getattr(self.generator, name)

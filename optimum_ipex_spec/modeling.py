@@ -18,13 +18,19 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import torch
+import transformers
 from optimum.modeling_base import OptimizedModel
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GenerationMixin, PretrainedConfig
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache import IPEXFusedCache
-from .candidates import AdaptivePromptLookupCandidateGenerator, IPEXDraftCandidateGenerator
+from .candidates import (
+    AdaptivePromptLookupCandidateGenerator,
+    IPEXDraftCandidateGenerator,
+    StoppingCriteriaAwareCandidates,
+)
+from .generation_compat import GenerationCompatMixin
 from .exporters.ipex import (
     IPEX_FUSED_ARCHITECTURES,
     export_to_ipex,
@@ -34,6 +40,8 @@ from .exporters.ipex import (
     save_ipex_graph,
 )
 from .patching import generation_patches
+from .torch_cache import PreallocatedKVCache
+from .torch_model import SUPPORTED_ARCHITECTURES as DECODER_ARCHITECTURES, TorchCausalLMDecoder
 from .utils.fs import looks_like_local_path
 from .utils.import_utils import ipex_status, log_fallback_once, parse_version, require_ipex
 
@@ -63,6 +71,8 @@ IPEX_GRAPH_NAME = "ipex_model.pt"
 IPEX_VERIFY_GRAPH_NAME = "ipex_verify_model.pt"
 EXPORT_FORMAT_VERSION = 1
 BACKENDS = ("auto", "ipex", "torch")
+#: transformers 5 renamed generate()'s and forward()'s ``past_key_values`` to ``cache``.
+CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -112,7 +122,65 @@ def check_causal_lm_config(config: PretrainedConfig, model_id: str) -> None:
         )
 
 
-class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
+@functools.lru_cache(maxsize=None)
+def _log_eager_once(architecture: str) -> None:
+    logger.warning(
+        "%s runs transformers' own forward on the pure-PyTorch path (our preallocated-cache decoder covers %s)",
+        architecture, ", ".join(DECODER_ARCHITECTURES),
+    )
+
+
+def _decoder_can_run(cache, kwargs) -> bool:
+    """The pure-PyTorch decoder serves plain forwards on its own cache; anything else (a transformers cache,
+    embeddings as input, attentions/hidden states/loss requested) goes to transformers' forward."""
+    if cache is not None and not isinstance(cache, PreallocatedKVCache):
+        return False
+    wants = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states", "head_mask")
+    return not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in wants)
+
+
+def _universal_sampling_generator(target, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                  assistant_model, target_tokenizer, assistant_tokenizer):
+    """transformers' universal speculative decoding (sampling with different tokenizers; Timor et al. 2025,
+    transformers PR #35029), with the draft's LM head left whole.
+
+    From 4.52 transformers prunes the draft's LM head to the vocabulary intersection, in place: a traced graph
+    or our packed decoder cannot take that, and it would change a transformers draft for later calls. Without
+    pruning, transformers masks the draft's tokens outside the intersection with a logits processor instead:
+    the same proposals and probabilities."""
+    import inspect
+
+    from transformers.generation.candidate_generator import (
+        AssistantVocabTranslatorCache,
+        UniversalSpeculativeDecodingGenerator,
+    )
+
+    vocab_size = target.config.get_text_config().vocab_size
+    accepted = inspect.signature(AssistantVocabTranslatorCache.get_translator).parameters
+    if "assistant_prune_lm_head" in accepted:
+        translator = AssistantVocabTranslatorCache.get_translator(
+            target_tokenizer, assistant_tokenizer, vocab_size, assistant_model=assistant_model,
+            assistant_prune_lm_head=False)
+    else:
+        translator = AssistantVocabTranslatorCache.get_translator(
+            target_tokenizer, assistant_tokenizer, vocab_size, assistant_model.device)
+    return UniversalSpeculativeDecodingGenerator(
+        input_ids=input_ids, assistant_model=assistant_model, generation_config=generation_config,
+        model_kwargs=model_kwargs, inputs_tensor=inputs_tensor, logits_processor=logits_processor,
+        target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer, atm_translator=translator)
+
+
+def _same_size_different_vocabularies(target, assistant, tokenizer, assistant_tokenizer) -> bool:
+    """True when target and draft have the same vocabulary size but their tokenizers map tokens to different
+    ids: plain assisted generation would feed the draft ids it reads as other tokens (correct output, but
+    almost nothing accepted); universal assisted generation is the right strategy."""
+    if assistant is None or tokenizer is None or assistant_tokenizer is None or tokenizer is assistant_tokenizer:
+        return False
+    sizes = (target.config.get_text_config().vocab_size, assistant.config.get_text_config().vocab_size)
+    return sizes[0] == sizes[1] and tokenizer.get_vocab() != assistant_tokenizer.get_vocab()
+
+
+class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixin):
     """A causal LM whose forward runs IPEX's fused kernels and fused KV cache from a traced graph.
 
     Create it with :meth:`from_pretrained` (``export=True`` for a transformers checkpoint or hub id,
@@ -162,6 +230,13 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         self.model_save_dir = model_save_dir
         self.generation_config = generation_config or GenerationConfig.from_model_config(config)
         self._num_layers = config.get_text_config().num_hidden_layers
+        #: pure-PyTorch decoder over a preallocated cache (torch backend, Llama-family architectures); else None
+        self.decoder = None
+        if backend == "torch":
+            if type(model).__name__ in DECODER_ARCHITECTURES:
+                self.decoder = TorchCausalLMDecoder(model)
+            else:
+                _log_eager_once(type(model).__name__)
         if backend == "ipex" and warmup:
             self._warmup()
 
@@ -208,10 +283,11 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor,
         attention_mask: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Union[IPEXFusedCache, DynamicCache]] = None,
+        past_key_values: Optional[Union[IPEXFusedCache, PreallocatedKVCache, DynamicCache]] = None,
         position_ids: Optional[torch.LongTensor] = None,
         use_cache: bool = True,
         return_dict: bool = True,
+        cache: Optional[Union[IPEXFusedCache, PreallocatedKVCache, DynamicCache]] = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run the model on ``input_ids`` int64 ``[batch, q]`` on top of ``past_key_values``.
@@ -236,14 +312,19 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 than ``config.max_position_embeddings`` (IPEX's rotary tables end there: the logits would be
                 NaN), or ``output_attentions`` / ``output_hidden_states`` (the fused graph does not return them).
         """
+        if past_key_values is None:
+            past_key_values = cache  # transformers >= 5 spells it ``cache``
         if self.backend == "torch":
+            if self.decoder is not None and _decoder_can_run(past_key_values, kwargs):
+                return self._decoder_forward(input_ids, attention_mask, past_key_values, position_ids, use_cache,
+                                             return_dict)
             outputs = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                past_key_values=past_key_values,
                 position_ids=position_ids,
                 use_cache=use_cache,
                 return_dict=True,
+                **{CACHE_KWARG: past_key_values},
                 **kwargs,
             )
             return outputs if return_dict else outputs.to_tuple()
@@ -287,6 +368,33 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         cache.replace(layers)
         loss = _causal_lm_loss(logits, labels) if labels is not None else None
         out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None)
+        return out if return_dict else out.to_tuple()
+
+    def _decoder_forward(self, input_ids, attention_mask, cache, position_ids, use_cache, return_dict):
+        """The pure-PyTorch path: :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` over a
+        :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` (created here when none is passed)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+            raise ValueError("input_ids must be a non-empty 2-D tensor [batch, sequence]")
+        batch, q = input_ids.shape
+        if cache is None:
+            cache = self.decoder.new_cache(batch, q, self._dtype)
+        elif cache.batch_size != batch and cache.get_seq_length() == 0:
+            cache.resize_batch(batch)
+        elif cache.batch_size != batch:
+            raise ValueError(f"the cache holds batch {cache.batch_size}; this call has batch {batch}")
+        past = cache.get_seq_length()
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, past + q, dtype=torch.long)
+        elif tuple(attention_mask.shape) != (batch, past + q):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {past + q}) = "
+                "(batch, cached tokens + new tokens)"
+            )
+        unpadded = bool(attention_mask.all())
+        if position_ids is None:
+            position_ids = self._position_ids(attention_mask, past, q, unpadded)
+        logits = self.decoder(input_ids, position_ids, attention_mask, cache, unpadded)
+        out = CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache if use_cache else None})
         return out if return_dict else out.to_tuple()
 
     def _checked_cache(self, input_ids, past_key_values) -> IPEXFusedCache:
@@ -372,20 +480,33 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         attention_mask: Optional[torch.LongTensor] = None,
         **kwargs,
     ) -> Dict[str, Any]:
-        if self.backend == "torch":
+        if past_key_values is None:
+            past_key_values = kwargs.pop("cache", None)
+        if self.backend == "torch" and not (
+            self.decoder is not None and (past_key_values is None or isinstance(past_key_values, PreallocatedKVCache))
+        ):
             return self.model.prepare_inputs_for_generation(
-                input_ids, past_key_values=past_key_values, attention_mask=attention_mask, **kwargs
+                input_ids, attention_mask=attention_mask, **{CACHE_KWARG: past_key_values}, **kwargs
             )
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         inputs = {
             "input_ids": input_ids[:, past:],
             "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
+            CACHE_KWARG: past_key_values,
             "use_cache": kwargs.get("use_cache", True),
         }
         return inputs
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, assistant_model, batch_size, *args):
+        # 4.x: (..., assistant_model, batch_size, max_cache_length, device); 5.x: (..., generation_mode, batch_size,
+        # max_cache_length)
+        if self.backend == "torch" and self.decoder is not None:
+            user_cache = model_kwargs.get(CACHE_KWARG)
+            if user_cache is not None or generation_config.use_cache is False:
+                return
+            capacity = args[0] if args and isinstance(args[0], int) else 256
+            model_kwargs[CACHE_KWARG] = self.decoder.new_cache(batch_size, capacity, self._dtype)
+            return
         if self.backend == "torch":
             return self.model._prepare_cache_for_generation(
                 generation_config, model_kwargs, assistant_model, batch_size, *args
@@ -402,15 +523,29 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
             return
         model_kwargs["past_key_values"] = IPEXFusedCache(self._num_layers, batch_size, self._dtype)
 
-    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, assistant_model,
-                                 logits_processor, target_tokenizer, assistant_tokenizer, model_kwargs):
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        """The candidate generator for assisted generation (see :meth:`_select_candidate_generator`), cut short of
+        any user stopping criterion (:class:`~optimum_ipex_spec.candidates.StoppingCriteriaAwareCandidates`)."""
+        custom = getattr(self._custom_candidates, "generator", None)
+        user_criteria = getattr(self._custom_candidates, "stopping_criteria", None)
+        if custom is not None:  # a user-written generator: give it the attributes transformers 5 reads too
+            return StoppingCriteriaAwareCandidates(custom, user_criteria or [])
+        generator = self._select_candidate_generator(
+            generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model,
+            target_tokenizer, assistant_tokenizer)
+        return StoppingCriteriaAwareCandidates(generator, user_criteria) if user_criteria else generator
+
+    def _select_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                    assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
         """Use :class:`~optimum_ipex_spec.candidates.IPEXDraftCandidateGenerator` for greedy drafting
         with a same-tokenizer IPEX draft and
         :class:`~optimum_ipex_spec.candidates.AdaptivePromptLookupCandidateGenerator` for
-        ``prompt_lookup_num_tokens``; every other strategy is transformers' own."""
-        custom = getattr(self._custom_candidates, "generator", None)
-        if custom is not None:
-            return custom
+        ``prompt_lookup_num_tokens``; every other strategy is transformers' own.
+
+        transformers 4.x and 5.x both call this with keyword arguments (their positional orders differ)."""
+        if assistant_tokenizer is None:  # set aside by generate(): same vocabulary size, different vocabularies
+            assistant_tokenizer = getattr(self._custom_candidates, "assistant_tokenizer", None)
         different_tokenizers = target_tokenizer is not None and assistant_tokenizer is not None
         if (
             isinstance(assistant_model, IPEXModelForCausalLM)
@@ -428,6 +563,9 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
                 inputs_tensor=inputs_tensor,
                 logits_processor=logits_processor,
             )
+        if different_tokenizers and generation_config.do_sample and assistant_model is not None:
+            return _universal_sampling_generator(self, generation_config, input_ids, inputs_tensor, logits_processor,
+                                                 model_kwargs, assistant_model, target_tokenizer, assistant_tokenizer)
         if generation_config.prompt_lookup_num_tokens is not None and getattr(
             generation_config, "assistant_early_exit", None
         ) is None:
@@ -442,12 +580,13 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
             self.last_speculation_stats = generator.stats
             return generator
         return super()._get_candidate_generator(
-            generation_config, input_ids, inputs_tensor, assistant_model, logits_processor, target_tokenizer,
-            assistant_tokenizer, model_kwargs,
+            generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
+            target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer,
         )
 
     def _supports_default_dynamic_cache(self) -> bool:
-        return self.backend == "torch"
+        return self.backend == "torch" and self.decoder is None
 
     def generate(self, *args, candidate_generator=None, **kwargs):
         """transformers' ``generate``; see ``GenerationMixin.generate``.
@@ -489,6 +628,22 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
             finally:
                 self._custom_candidates.generator = None
         assistant = kwargs.get("assistant_model")
+        if _same_size_different_vocabularies(self, assistant, kwargs.get("tokenizer"), kwargs.get("assistant_tokenizer")):
+            # transformers tells tokenizers apart by vocabulary size only and would refuse assistant_tokenizer
+            # here; set it aside past that check so universal assisted generation re-encodes the text
+            self._custom_candidates.assistant_tokenizer = kwargs.pop("assistant_tokenizer")
+            try:
+                return self.generate(*args, **kwargs)
+            finally:
+                self._custom_candidates.assistant_tokenizer = None
+        if self.backend == "torch" and (assistant is not None or kwargs.get("prompt_lookup_num_tokens") is not None):
+            self._dynamic_cache_for_assisted(args, kwargs)
+        if kwargs.get("stopping_criteria") and getattr(self._custom_candidates, "stopping_criteria", None) is None:
+            self._custom_candidates.stopping_criteria = kwargs["stopping_criteria"]
+            try:
+                return self.generate(*args, **kwargs)
+            finally:
+                self._custom_candidates.stopping_criteria = None
         ipex_involved = self.backend == "ipex" or getattr(assistant, "backend", None) == "ipex"
         if not ipex_involved:
             return super().generate(*args, **kwargs)
@@ -500,6 +655,38 @@ class IPEXModelForCausalLM(OptimizedModel, GenerationMixin):
         )
         with generation_patches(assisted=assisted):
             return super().generate(*args, **kwargs)
+
+    def _dynamic_cache_for_assisted(self, args, kwargs) -> None:
+        """transformers 4.x refuses assisted generation for models whose default cache is static, hybrid or
+        sliding-window (Gemma 2/3): those caches cannot be cropped. A ``DynamicCache`` can, and is exact as
+        long as the sequence stays within the sliding window, so pass one in that case.
+
+        Raises:
+            ValueError: prompt + new tokens exceed the sliding window (4.x's DynamicCache path masks the
+                window wrongly past it; transformers >= 5 handles it: use the ``torch-current`` lane).
+        """
+        import transformers
+
+        text_config = self.config.get_text_config()
+        implementation = getattr(self.generation_config, "cache_implementation", None) or getattr(
+            text_config, "cache_implementation", None)
+        if (int(transformers.__version__.split(".")[0]) >= 5 or kwargs.get("past_key_values") is not None
+                or implementation not in ("static", "hybrid", "sliding_window", "hybrid_chunked")):
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        max_new = kwargs.get("max_new_tokens", generation_config.max_new_tokens)
+        total = (ids.shape[-1] + max_new) if (ids is not None and max_new is not None) else kwargs.get(
+            "max_length", generation_config.max_length)
+        window = getattr(text_config, "sliding_window", None)
+        if window is not None and total > window:
+            raise ValueError(
+                f"{type(self.model).__name__} uses a {implementation!r} cache with a {window}-token sliding window; "
+                f"with transformers {transformers.__version__} assisted generation / prompt lookup is exact only up "
+                f"to {window} tokens (prompt + max_new_tokens), got {total}. Shorten the request or use "
+                "transformers >= 5 (the torch-current lane), whose caches crop sliding windows."
+            )
+        kwargs["past_key_values"] = DynamicCache()
 
     def self_draft(self, torch_dtype: Union[str, torch.dtype] = torch.bfloat16, backend: str = "auto"):
         """A cheaper copy of this model to use as its own draft: ``generate(assistant_model=...)``.

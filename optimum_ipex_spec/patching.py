@@ -131,6 +131,9 @@ def _module_crop_hooks(cache_cls: type) -> List[Patch]:
     import transformers.generation.candidate_generator as candidate_generator
     import transformers.generation.utils as generation_utils
 
+    if not hasattr(candidate_generator, "_crop_past_key_values"):
+        # asked for a release <= 4.53 while a later one is installed (simulated versions in tests): nothing to hook
+        return []
     original = candidate_generator._crop_past_key_values
 
     def _crop_past_key_values(model, past_key_values, max_length):

@@ -77,6 +77,23 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir():
+    """The provisioned Gemma 3 folder; built here if this lane can (transformers >= 5 + the GGUF packages).
+    CI provisions it first (`make provision-gemma3` in .ci/run), so this skips only on a developer machine."""
+    import transformers
+
+    from optimum_ipex_spec import provision as prov
+
+    try:
+        return prov.provision("gemma3")
+    except prov.ProvisionError as exc:
+        reason = f"Gemma 3 folder not provisioned in {prov.default_cache_dir()} and this lane cannot build it: {exc}"
+        if int(transformers.__version__.split(".")[0]) < 5 and "transformers >= 5" not in str(exc):
+            reason += "; run `make provision-gemma3`"
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 

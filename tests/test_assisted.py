@@ -15,6 +15,10 @@ from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.utils.import_utils import ipex_status
 
 PAIRINGS = ["hf+hf", "hf+ipex", "ipex+hf", "ipex+ipex", "ipex+self", "ipex+ipex-bf16"]
+if ipex_status().available:
+    # "torch": our pure-PyTorch path (preallocated cache + SDPA decoder), which the "ipex" models already use
+    # in a lane without IPEX; here it is chosen explicitly next to the IPEX one.
+    PAIRINGS += ["hf+torch", "torch+hf", "torch+torch", "torch+ipex", "ipex+torch", "torch+self"]
 TEXTS = [
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
     "  Whitespace   and\ttabs, digits 0123456789 and ünïcödé — 東京 ✓",
@@ -24,12 +28,12 @@ TEXTS = [
 _EXPORTS = {}
 
 
-def _export(path, dtype=torch.float32):
-    """One export per (folder, dtype) for the whole module: exports are stateless apart from
+def _export(path, dtype=torch.float32, backend="auto"):
+    """One export per (folder, dtype, backend) for the whole module: exports are stateless apart from
     ``generation_config``, which each test resets."""
-    key = (path, dtype)
+    key = (path, dtype, backend)
     if key not in _EXPORTS:
-        _EXPORTS[key] = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=dtype)
+        _EXPORTS[key] = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=dtype, backend=backend)
     model = _EXPORTS[key]
     model.generation_config = copy.deepcopy(_EXPORTS.setdefault((key, "gc"), copy.deepcopy(model.generation_config)))
     return model
@@ -46,14 +50,15 @@ def _models(arch, pairing, tiny_dir, num_assistant_tokens=5, schedule="constant"
     path = tiny_dir(arch)
     stock = AutoModelForCausalLM.from_pretrained(path).eval()
     target_kind, draft_kind = pairing.split("+")
+    backend = {"ipex": "auto", "torch": "torch"}
     if target_kind == "hf":
         target = stock
     else:
-        target = _export(path)
+        target = _export(path, backend=backend[target_kind])
     if draft_kind == "hf":
         draft = AutoModelForCausalLM.from_pretrained(path).eval()
-    elif draft_kind == "ipex":
-        draft = _twin(_export(path))  # a distinct model object (not the target itself)
+    elif draft_kind in backend:
+        draft = _twin(_export(path, backend=backend[draft_kind]))  # a distinct model object (not the target)
     elif draft_kind == "ipex-bf16":
         draft = _export(path, torch.bfloat16)
     else:
