@@ -7,7 +7,7 @@ dataclasses) costs a large share of each round. :class:`IPEXDraftCandidateGenera
 transformers' two-method interface (``get_candidates`` / ``update_candidate_strategy``) and its
 schedules (``num_assistant_tokens``, ``"constant"`` / ``"heuristic"``,
 ``assistant_confidence_threshold`` as a stopping rule), but drafts greedily in a tight loop on the
-draft's own forward and :class:`~optimum_ipex_spec.cache.IPEXFusedCache`.
+draft's own forward and cache (IPEXFusedCache, or PreallocatedKVCache on the PyTorch path).
 
 Greedy only: for ``do_sample=True`` the draft must sample from the same processed distribution
 that speculative sampling (Leviathan et al., 2023, arXiv:2211.17192; transformers PR #28316) uses
@@ -24,7 +24,6 @@ from typing import Optional, Tuple
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
-from .cache import IPEXFusedCache
 
 
 @dataclass
@@ -53,7 +52,8 @@ class SpeculationStats:
 
 
 class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
-    """Greedy drafting with an ``IPEXModelForCausalLM`` (IPEX backend) as the assistant.
+    """Greedy drafting with an ``IPEXModelForCausalLM`` as the assistant (IPEX backend, or the PyTorch path's
+    decoder): a tight loop on the draft's own forward and cache instead of a nested ``generate()`` per round.
 
     Shapes: ``get_candidates(input_ids [1, L])`` returns ``(candidates [1, L + n], None)`` with
     ``0 <= n <= num_assistant_tokens`` new draft tokens (no logits are needed for greedy verification).
@@ -61,7 +61,7 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._cache: Optional[IPEXFusedCache] = None
+        self._cache = None  # the draft's own cache (IPEXFusedCache or PreallocatedKVCache)
         eos = self.generation_config.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self._eos = torch.tensor(eos, dtype=torch.long)
@@ -81,7 +81,7 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
             return input_ids, None
         draft = self.assistant_model
         if self._cache is None:
-            self._cache = IPEXFusedCache(draft._num_layers, input_ids.shape[0], draft.dtype)
+            self._cache = draft.new_cache(input_ids.shape[0])
         # Roll the draft's cache back to the tokens the target accepted, then feed what it lacks.
         self._cache.crop(min(self._cache.get_seq_length(), input_ids.shape[1] - 1))
         logits = draft(input_ids[:, self._cache.get_seq_length():], past_key_values=self._cache).logits[:, -1]

@@ -337,16 +337,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         cache = self._checked_cache(input_ids, past_key_values)
         batch, q = input_ids.shape
         past = cache.get_seq_length()
-        if attention_mask is None:
-            attention_mask = torch.ones(batch, past + q, dtype=torch.long)
-        elif tuple(attention_mask.shape) != (batch, past + q):
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {past + q}) = "
-                "(batch, cached tokens + new tokens)"
-            )
-        unpadded = bool(attention_mask.all())  # one reduction per step, used twice below
-        if position_ids is None:
-            position_ids = self._position_ids(attention_mask, past, q, unpadded)
+        attention_mask, position_ids, unpadded = self._mask_and_positions(attention_mask, position_ids, batch, past, q)
         graph = self.model
         if past > 0 and q > 1:
             # IPEX's fused attention is wrong for a chunk on a non-empty cache: use the verify graph.
@@ -370,6 +361,38 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache if use_cache else None)
         return out if return_dict else out.to_tuple()
 
+    def _mask_and_positions(self, attention_mask, position_ids, batch: int, past: int, q: int):
+        """Default or check ``attention_mask`` int64 ``[batch, past + q]``; derive ``position_ids`` ``[batch, q]``
+        from it when not given; return both and whether nothing is padded (one reduction per step).
+
+        Raises:
+            ValueError: ``attention_mask`` of another shape.
+        """
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, past + q, dtype=torch.long)
+        elif tuple(attention_mask.shape) != (batch, past + q):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {past + q}) = "
+                "(batch, cached tokens + new tokens)"
+            )
+        unpadded = bool(attention_mask.all())
+        if position_ids is None:
+            position_ids = self._position_ids(attention_mask, past, q, unpadded)
+        return attention_mask, position_ids, unpadded
+
+    def new_cache(self, batch_size: int = 1, capacity: int = 256):
+        """An empty KV cache for this model's forward: :class:`~optimum_ipex_spec.cache.IPEXFusedCache` (IPEX
+        backend) or :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` (PyTorch path).
+
+        Raises:
+            NotImplementedError: an architecture that runs transformers' own forward (use its ``DynamicCache``).
+        """
+        if self.backend == "ipex":
+            return IPEXFusedCache(self._num_layers, batch_size, self._dtype)
+        if self.decoder is None:
+            raise NotImplementedError(f"{first_architecture(self.config)} runs transformers' forward: use DynamicCache()")
+        return self.decoder.new_cache(batch_size, capacity, self._dtype)
+
     def _decoder_forward(self, input_ids, attention_mask, cache, position_ids, use_cache, return_dict):
         """The pure-PyTorch path: :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` over a
         :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` (created here when none is passed)."""
@@ -383,16 +406,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         elif cache.batch_size != batch:
             raise ValueError(f"the cache holds batch {cache.batch_size}; this call has batch {batch}")
         past = cache.get_seq_length()
-        if attention_mask is None:
-            attention_mask = torch.ones(batch, past + q, dtype=torch.long)
-        elif tuple(attention_mask.shape) != (batch, past + q):
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {past + q}) = "
-                "(batch, cached tokens + new tokens)"
-            )
-        unpadded = bool(attention_mask.all())
-        if position_ids is None:
-            position_ids = self._position_ids(attention_mask, past, q, unpadded)
+        attention_mask, position_ids, unpadded = self._mask_and_positions(attention_mask, position_ids, batch, past, q)
         logits = self.decoder(input_ids, position_ids, attention_mask, cache, unpadded)
         out = CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache if use_cache else None})
         return out if return_dict else out.to_tuple()
@@ -549,7 +563,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         different_tokenizers = target_tokenizer is not None and assistant_tokenizer is not None
         if (
             isinstance(assistant_model, IPEXModelForCausalLM)
-            and assistant_model.backend == "ipex"
+            and (assistant_model.backend == "ipex" or assistant_model.decoder is not None)
             and not generation_config.do_sample
             and not different_tokenizers
             and generation_config.prompt_lookup_num_tokens is None

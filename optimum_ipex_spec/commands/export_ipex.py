@@ -33,7 +33,7 @@ def parse_args_ipex(parser: ArgumentParser) -> None:
                                "IPEXModelForCausalLM.self_draft) into OUTPUT/draft-bf16.")
     optional.add_argument("--atol", type=float, default=None,
                           help="Validation tolerance on the max absolute logit difference between the reloaded "
-                               "export and the eager transformers model (default 1e-4 for float32, 1.5 for "
+                               "export and the eager transformers model (default 5e-4 for float32, 1.5 for "
                                "bfloat16).")
     optional.add_argument("--overwrite", action="store_true", help="Replace a non-empty OUTPUT folder.")
     optional.add_argument("--trust_remote_code", action="store_true", help="Allow custom modeling code from the hub.")

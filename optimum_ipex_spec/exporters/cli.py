@@ -23,7 +23,9 @@ TASKS = ("text-generation", "text-generation-with-past")
 #: Defaults for the max |logit difference| against the eager fp32 model. fp32: measured 7.5e-5 on
 #: SmolLM2 (logits of magnitude ~30). bf16 keeps 8 mantissa bits, so a logit near 30 is only resolved
 #: to 0.125 and 30 layers of bf16 rounding add up: measured 0.72 on SmolLM2, 0.02 on tiny models.
-DEFAULT_ATOL = {"float32": 1e-4, "bfloat16": 1.5}
+# fp32 differs from eager transformers only by summation order: SmolLM2 (30 layers) measured 7.5e-5 with IPEX,
+# 1.6e-4 on the PyTorch path (fused QKV / gate-up products). bf16: see docs/export-cli.md.
+DEFAULT_ATOL = {"float32": 5e-4, "bfloat16": 1.5}
 SAMPLE_TEXTS = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "The history of the printing press begins in",
