@@ -2,15 +2,27 @@
 LANE ?= ipex28
 PY = $(shell scripts/ensure-venv.sh $(LANE))/bin/python
 PYTEST_ARGS ?=
+# `make matrix`: LANES (default: every lane in noxfile.py), MARK (a pytest -m expression; default: the
+# full suite, real-model tests included), FAST=1 (same as MARK="not slow").
+LANES ?=
+MARK ?=
+ifeq ($(FAST),1)
+MARK = not slow
+endif
+NOX = $(shell scripts/ensure-tools.sh)/bin/nox
 
-.PHONY: help venv provision provision-gemma3 demo test test-fast bench clean
+.PHONY: help venv provision provision-gemma3 demo test test-fast bench clean matrix matrix-report lanes
 
 help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
 	@echo "make test       the full test suite, real-model tests included (what CI runs)"
 	@echo "make test-fast  tiny-model tests only (-m 'not slow')"
-	@echo "make bench      benchmarks -> docs/benchmarks.md (decode, assisted, prompt lookup: ~20 minutes)"
+	@echo "make bench      benchmarks -> docs/benchmarks.md + docs/benchmarks-*.png (decode, assisted, prompt lookup: ~20 minutes)"
+	@echo "                re-render without measuring: python benchmarks/bench.py --render docs/benchmarks.json --out docs/benchmarks.md"
+	@echo "                LANE=torch-current: the pure-PyTorch path vs transformers 5.x -> docs/benchmarks-torch-current.md"
 	@echo "make provision  build the real model folders in ~/.cache/optimum_ipex_spec/models"
+	@echo "make matrix     every lane's test suite -> docs/version-matrix.md (LANES=\"ipex27 tf453\", MARK=\"not slow\" or FAST=1)"
+	@echo "make lanes      list the lanes (noxfile.py)"
 	@echo "LANE=$(LANE) (environments: requirements/<lane>.txt, built by scripts/ensure-venv.sh)"
 
 venv:
@@ -28,8 +40,24 @@ test:
 test-fast:
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# IPEX 2.8 lane: docs/benchmarks.md (all sections); another lane: docs/benchmarks-<lane>.md (decode, 3 prompts x 64 tokens, unless
+# BENCH_ARGS says otherwise), e.g. `make bench LANE=torch-current` for the pure-PyTorch path vs transformers 5.x.
+BENCH_OUT = docs/benchmarks$(if $(filter ipex28,$(LANE)),,-$(LANE))
+BENCH_ARGS ?= $(if $(filter ipex28,$(LANE)),,--only decode --prompts 3 --new-tokens 64)
 bench:
-	$(PY) benchmarks/bench.py --out docs/benchmarks.md --json docs/benchmarks.json
+	$(PY) benchmarks/bench.py --out $(BENCH_OUT).md --json $(BENCH_OUT).json $(BENCH_ARGS)
+
+# The version matrix: nox (from the tools environment, scripts/ensure-tools.sh) runs each lane's suite
+# in that lane's environment (scripts/ensure-venv.sh LANE, the one `make test LANE=...` uses) and
+# writes docs/version-matrix.md; it fails when a lane is not green, after writing the report.
+matrix:
+	OIS_MATRIX_MARK='$(MARK)' $(NOX) $(if $(strip $(LANES)),-s $(LANES)) $(if $(strip $(PYTEST_ARGS)),-- $(PYTEST_ARGS))
+
+matrix-report:
+	$(NOX) -s report
+
+lanes:
+	@$(NOX) -l
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
