@@ -6,6 +6,11 @@ greedy, ``--new-tokens`` tokens. Per prompt we take the median over rounds of de
 (tokens after the first / time between the first and last token) and time to first token; the
 ratio is ours / stock per prompt, then the median over prompts. Beside it: the machine's measured
 memory bandwidth and the one-token roofline it implies (weights bytes / bandwidth).
+
+The markdown report embeds two PNG plots (see plots.py) written next to it. ``--render JSON`` rebuilds
+the report and the plots from a results file without measuring anything (nor importing torch):
+
+    python benchmarks/bench.py --render docs/benchmarks.json --out docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -19,15 +24,22 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plots import image_lines, render_plots  # noqa: E402  (benchmarks/plots.py; imports matplotlib lazily)
 
-from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.prompts import chat_prompts
-from optimum_ipex_spec.provision import resolve_model
-from optimum_ipex_spec.utils.import_utils import ipex_status
-from optimum_ipex_spec.utils.timing import timed_generate
+
+def _heavy_imports():
+    """torch, transformers and the package: needed to measure, not to --render."""
+    global torch, AutoModelForCausalLM, AutoTokenizer, IPEXModelForCausalLM, chat_prompts, resolve_model
+    global ipex_status, timed_generate
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_ipex_spec import IPEXModelForCausalLM
+    from optimum_ipex_spec.prompts import chat_prompts
+    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.utils.import_utils import ipex_status
+    from optimum_ipex_spec.utils.timing import timed_generate
 
 
 def measure_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
@@ -42,7 +54,7 @@ def measure_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model) -> int:
     seen, total = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
@@ -136,8 +148,11 @@ def run_assisted(path, tokenizer, prompts, args, bar):
         rate = [statistics.median(t.decode_tokens_per_s for t, _ in per[i]) for i in range(len(prompts))]
         e2e = [alone_total[i] / statistics.median(t.total_s for t, _ in per[i]) for i in range(len(prompts))]
         stats = [s for i in range(len(prompts)) for _, s in per[i] if s is not None]
+        k, schedule = next(((e.get("_k"), e.get("_schedule")) for n, _, e in configs if n == name), (None, None))
         rows.append({
             "config": name,
+            "k": k,
+            "schedule": schedule,
             "median_decode_tok_s": statistics.median(rate),
             "median_ratio_vs_ours_alone": statistics.median(r / alone[i] for i, r in enumerate(rate)),
             "median_end_to_end_ratio_vs_ours_alone": statistics.median(e2e),
@@ -158,6 +173,13 @@ def run_assisted(path, tokenizer, prompts, args, bar):
             ],
         })
     return rows
+
+
+def _tokens_per_forward(stats):
+    """Tokens emitted per verifying target forward (accepted proposals + the target's own token), over the
+    rounds that proposed something; None when nothing was proposed."""
+    rounds = sum(s.rounds for s in stats)
+    return (sum(s.accepted for s in stats) + rounds) / rounds if rounds else None
 
 
 def _acceptance(stats):
@@ -195,12 +217,76 @@ def run_lookup(path, tokenizer, args, bar):
             "lookup_tok_s": statistics.median(t.new_tokens / t.total_s for t in s["lookup"]),
             "ratio": alone_total / lookup_total,
             "acceptance_rate": sum(st.accepted for st in s["stats"]) / proposed if proposed else None,
+            "mean_tokens_per_target_forward": _tokens_per_forward(s["stats"]),
+            "alone_ttft_s": statistics.median(t.ttft_s for t in s["alone"]),
+            "lookup_ttft_s": statistics.median(t.ttft_s for t in s["lookup"]),
             "token_identical": s["same"],
         })
     return rows
 
 
-def render_markdown(result) -> str:
+def run_universal(args, bar):
+    """Universal assisted generation: Gemma 3 270M target (ours) + SmolLM2-135M draft (ours), different
+    tokenizers, greedy, vs the Gemma 3 target alone. Acceptance is counted by wrapping transformers'
+    candidate generator for the duration of the section (measurement only)."""
+    from transformers.generation.candidate_generator import AssistedCandidateGeneratorDifferentTokenizers as UAG
+
+    from optimum_ipex_spec.prompts import chatterbot_questions, humaneval_prompts, news_articles
+
+    target_path, draft_path = resolve_model("gemma3-270m"), resolve_model("smollm2-135m-instruct")
+    target_tok, draft_tok = AutoTokenizer.from_pretrained(target_path), AutoTokenizer.from_pretrained(draft_path)
+    target = IPEXModelForCausalLM.from_pretrained(target_path, export=True, torch_dtype=torch.float32)
+    draft = IPEXModelForCausalLM.from_pretrained(draft_path, export=True, torch_dtype=torch.float32)
+    prompts = [("code", humaneval_prompts((2,))[0]), ("news", news_articles((1,), max_words=60)[0] + "\n\nIn short,"),
+               ("question", f"Question: {chatterbot_questions()[0]}\nAnswer:")]
+    counts = {"proposed": 0, "accepted": 0, "rounds": 0}
+    original_get, original_update = UAG.get_candidates, UAG.update_candidate_strategy
+
+    def get_candidates(self, input_ids):
+        candidates, logits = original_get(self, input_ids)
+        counts["proposed"] += candidates.shape[1] - input_ids.shape[1]
+        return candidates, logits
+
+    def update(self, input_ids, scores, num_matches):
+        counts["accepted"] += int(num_matches)
+        counts["rounds"] += 1
+        return original_update(self, input_ids, scores, num_matches)
+
+    new_tokens = min(args.new_tokens, 64)  # Gemma 3 on 4.x: prompt + new tokens stay inside its 512-token window
+    rows = []
+    UAG.get_candidates, UAG.update_candidate_strategy = get_candidates, update
+    try:
+        for kind, text in prompts:
+            inputs = target_tok(text, return_tensors="pt")
+            alone, with_draft, same = [], [], True
+            counts.update(proposed=0, accepted=0, rounds=0)
+            for _ in range(args.rounds):
+                ref, t_alone = timed_generate(target, inputs, max_new_tokens=new_tokens, do_sample=False)
+                out, t_uag = timed_generate(target, inputs, max_new_tokens=new_tokens, do_sample=False,
+                                            assistant_model=draft, tokenizer=target_tok, assistant_tokenizer=draft_tok)
+                same &= torch.equal(ref, out)
+                alone.append(t_alone)
+                with_draft.append(t_uag)
+                bar.update(2)
+            rows.append({
+                "kind": kind, "new_tokens": alone[0].new_tokens,
+                "alone_tok_s": statistics.median(t.new_tokens / t.total_s for t in alone),
+                "universal_tok_s": statistics.median(t.new_tokens / t.total_s for t in with_draft),
+                "ratio": statistics.median(t.total_s for t in alone) / statistics.median(t.total_s for t in with_draft),
+                "acceptance_rate": counts["accepted"] / counts["proposed"] if counts["proposed"] else None,
+                "mean_tokens_per_target_forward": ((counts["accepted"] + counts["rounds"]) / counts["rounds"]
+                                                   if counts["rounds"] else None),
+                "token_identical": same,
+            })
+    finally:
+        UAG.get_candidates, UAG.update_candidate_strategy = original_get, original_update
+    return {"target": "gemma3-270m", "target_backend": target.backend, "draft": "smollm2-135m-instruct",
+            "draft_backend": draft.backend, "rows": rows}
+
+
+def render_markdown(result, plots=None) -> str:
+    """The report for ``result``; ``plots`` ({kind: path} from plots.render_plots) are embedded by file name."""
+    plots = plots or {}
     env = result["environment"]
     lines = [
         "# Benchmarks",
@@ -213,11 +299,16 @@ def render_markdown(result) -> str:
         f"prompts (HumanEval code completions and chatterbot-corpus questions), {result['rounds']} rounds, stock and "
         "ours interleaved in one process; medians.",
         "",
-        f"Measured read bandwidth: {env['bandwidth_gbs']:.1f} GB/s.",
+        f"Measured read bandwidth: {env['bandwidth_gbs']:.1f} GB/s"
+        + (f"; one-token roofline (weights bytes / bandwidth): "
+           + ", ".join(f"{r['dtype']} {env['bandwidth_gbs'] * 1e9 / r['weight_bytes']:.1f} tok/s"
+                       for r in result["runs"]) if result.get("runs") else "") + ".",
     ]
+    lines += image_lines(plots, "throughput", "Tokens/s per configuration: stock transformers, ours, ours with "
+                                              "a bf16 self-draft, ours with prompt lookup")
     if result["runs"]:
         lines += _decode_tables(result, env)
-    lines += _speculation_tables(result)
+    lines += _speculation_tables(result, plots)
     return "\n".join(lines)
 
 
@@ -250,22 +341,34 @@ def _decode_tables(result, env):
     return lines
 
 
-def _speculation_tables(result):
+#: lookup columns that results from before 2026-11-30 do not have
+_LOOKUP_OPTIONAL = (("mean_tokens_per_target_forward", "tokens per target forward"),
+                    ("alone_ttft_s", "alone TTFT s"), ("lookup_ttft_s", "lookup TTFT s"))
+
+
+def _fmt(value, spec, missing="-"):
+    return format(value, spec) if value is not None else missing
+
+
+def _speculation_tables(result, plots):
     lines = []
     if result.get("assisted"):
         lines += ["", "## Assisted generation (speculative decoding), fp32 target", "",
                   "Target: SmolLM2 fp32 (ours). Draft: the same checkpoint exported in bf16 "
                   "(`target.self_draft(torch_dtype=torch.bfloat16)`). Greedy; k = draft tokens per round. Decode "
-                  "tok/s counts tokens after the first; end-to-end includes prefill (target and draft).", "",
-                  "| configuration | decode tok/s | decode ratio vs ours alone | end-to-end ratio | TTFT s | "
+                  "tok/s counts tokens after the first; end-to-end includes prefill (target and draft). Acceptance "
+                  "rate = accepted / proposed draft tokens; tokens per target forward = mean tokens emitted per "
+                  "verification step (accepted drafts + the target's own token)."]
+        lines += image_lines(plots, "speedup_vs_k", "Assisted generation: speedup over ours alone against the "
+                                                    "number of draft tokens k")
+        lines += ["", "| configuration | decode tok/s | decode ratio vs ours alone | end-to-end ratio | TTFT s | "
                   "acceptance rate | tokens per target forward | output |",
                   "|---|---|---|---|---|---|---|---|"]
         for row in result["assisted"]:
-            acc = f"{row['acceptance_rate']:.1%}" if row["acceptance_rate"] is not None else "-"
-            mean = f"{row['mean_tokens_per_target_forward']:.2f}" if row["mean_tokens_per_target_forward"] else "-"
             lines.append(
                 f"| {row['config']} | {row['median_decode_tok_s']:.1f} | x{row['median_ratio_vs_ours_alone']:.2f} | "
-                f"x{row['median_end_to_end_ratio_vs_ours_alone']:.2f} | {row['median_ttft_s']:.2f} | {acc} | {mean} | "
+                f"x{row['median_end_to_end_ratio_vs_ours_alone']:.2f} | {row['median_ttft_s']:.2f} | "
+                f"{_fmt(row['acceptance_rate'], '.1%')} | {_fmt(row['mean_tokens_per_target_forward'], '.2f')} | "
                 f"{'identical to target alone' if row['token_identical_to_target_alone'] else 'DIFFERENT'} |"
             )
         lines += ["", "Per prompt (prompts alternate: even = HumanEval code completion, odd = chatterbot question):", "",
@@ -275,26 +378,49 @@ def _speculation_tables(result):
             if not row["config"].startswith("ours fp32 +"):
                 continue
             for p in row["per_prompt"]:
-                acc = f"{p['acceptance_rate']:.1%}" if p["acceptance_rate"] is not None else "-"
                 lines.append(f"| {row['config']} | {p['prompt']} | {p['kind']} | x{p['decode_ratio_vs_ours_alone']:.2f} | "
-                             f"x{p['end_to_end_ratio']:.2f} | {acc} |")
+                             f"x{p['end_to_end_ratio']:.2f} | {_fmt(p['acceptance_rate'], '.1%')} |")
     if result.get("lookup"):
         rows = result["lookup"]
+        extra = [key for key, _ in _LOOKUP_OPTIONAL if any(key in r for r in rows)]  # recorded since 2026-11-30
+        titles = dict(_LOOKUP_OPTIONAL)
         lines += ["", f"## Prompt lookup decoding (`prompt_lookup_num_tokens={result['lookup_tokens']}`), fp32 target",
                   "", "Ours alone vs ours with adaptive prompt lookup, greedy, end-to-end tokens/s (prefill "
                   "included). Grounded prompts: HumanEval code with an edit instruction, Lee-corpus news "
                   "articles with a restate or summarise instruction.", "",
-                  "| prompt | kind | new tokens | alone tok/s | lookup tok/s | ratio | acceptance rate | output |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| prompt | kind | new tokens | alone tok/s | lookup tok/s | ratio | acceptance rate | "
+                  + "".join(f"{titles[k]} | " for k in extra) + "output |",
+                  "|---|---|---|---|---|---|---|" + "---|" * len(extra) + "---|"]
         for r in rows:
-            acc = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
             lines.append(f"| {r['prompt']} | {r['kind']} | {r['new_tokens']} | {r['alone_tok_s']:.1f} | "
-                         f"{r['lookup_tok_s']:.1f} | x{r['ratio']:.2f} | {acc} | "
-                         f"{'identical' if r['token_identical'] else 'DIFFERENT'} |")
+                         f"{r['lookup_tok_s']:.1f} | x{r['ratio']:.2f} | {_fmt(r['acceptance_rate'], '.1%')} | "
+                         + "".join(f"{_fmt(r.get(k), '.2f')} | " for k in extra)
+                         + f"{'identical' if r['token_identical'] else 'DIFFERENT'} |")
         kinds = sorted({r["kind"] for r in rows})
         summary = ", ".join(f"{k} median x{statistics.median(r['ratio'] for r in rows if r['kind'] == k):.2f}"
                             for k in kinds)
         lines += ["", f"Medians by kind: {summary}; slowest prompt x{min(r['ratio'] for r in rows):.2f}."]
+        if len(extra) < len(_LOOKUP_OPTIONAL):
+            lines += ["", "TTFT and tokens per target forward of this section are recorded by bench.py since "
+                      "2026-11-30; these results predate that."]
+    if result.get("universal"):
+        uni = result["universal"]
+        lines += ["", "## Universal assisted generation (different tokenizers), fp32", "",
+                  f"Target: Gemma 3 270M (ours, {uni['target_backend']} backend; 262,144-entry vocabulary). Draft: "
+                  f"SmolLM2-135M-Instruct (ours, {uni['draft_backend']} backend; 49,152 entries). Greedy, "
+                  "`tokenizer=` / `assistant_tokenizer=`, the draft's default schedule; end-to-end tokens/s (prefill "
+                  "included) vs the Gemma 3 target alone. Acceptance = accepted / proposed target-side tokens.", "",
+                  "| prompt kind | new tokens | target alone tok/s | with draft tok/s | ratio | acceptance rate | "
+                  "tokens per target forward | output |", "|---|---|---|---|---|---|---|---|"]
+        for r in uni["rows"]:
+            lines.append(f"| {r['kind']} | {r['new_tokens']} | {r['alone_tok_s']:.2f} | {r['universal_tok_s']:.2f} | "
+                         f"x{r['ratio']:.2f} | {_fmt(r['acceptance_rate'], '.1%')} | "
+                         f"{_fmt(r['mean_tokens_per_target_forward'], '.2f')} | "
+                         f"{'identical' if r['token_identical'] else 'DIFFERENT'} |")
+        lines += ["", "Below 1x: the draft costs about as much per token as the target (Gemma 3 270M is 100M "
+                  "parameters of layers plus a 168M-parameter embedding / LM head; SmolLM2 is 135M), and every round "
+                  "re-encodes text. A draft several times cheaper than the target, or a larger Gemma target, is what "
+                  "would raise it."]
     return lines + [
         "",
         "Notes:",
@@ -322,16 +448,20 @@ def main(argv=None):
     parser.add_argument("--draft-tokens", default="4,8,12", help="k values for the constant schedule")
     parser.add_argument("--no-lookup", action="store_true", help="skip the prompt lookup section")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
-    parser.add_argument("--only", default=None, choices=["decode", "assisted", "lookup"],
+    parser.add_argument("--only", default=None, choices=["decode", "assisted", "lookup", "universal"],
                         help="run one section only (the report then holds only that section)")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="only re-render --out from a results file written by --json")
     args = parser.parse_args(argv)
     if args.render:
-        report = render_markdown(json.loads(Path(args.render).read_text()))
+        result = json.loads(Path(args.render).read_text())
+        plots = render_plots(result, Path(args.out).parent, Path(args.out).stem) if args.out else {}
+        report = render_markdown(result, plots)
         Path(args.out).write_text(report) if args.out else print(report)
         return
     args.draft_tokens = [int(k) for k in args.draft_tokens.split(",")]
+    _heavy_imports()
+    from tqdm.auto import tqdm
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
@@ -357,32 +487,39 @@ def main(argv=None):
         },
         "runs": [],
     }
-    sections = {"decode", "assisted", "lookup"} if args.only is None else {args.only}
+    sections = {"decode", "assisted", "lookup", "universal"} if args.only is None else {args.only}
     if args.no_assisted:
         sections.discard("assisted")
     if args.no_lookup:
         sections.discard("lookup")
     total = (len(dtypes) * args.rounds * len(prompts) * 2 if "decode" in sections else 0) + (
         args.rounds * len(prompts) * (len(args.draft_tokens) + 3) if "assisted" in sections else 0) + (
-        args.rounds * 8 * 2 if "lookup" in sections else 0)
+        args.rounds * 8 * 2 if "lookup" in sections else 0) + (args.rounds * 3 * 2 if "universal" in sections else 0)
     result["lookup_tokens"] = args.lookup_tokens
     result["prompt_count"] = len(prompts)
     with tqdm(total=total, desc="bench", unit="run") as bar:
         if "decode" in sections:
             for dtype in dtypes:
+                bar.set_postfix_str(f"decode {str(dtype).replace('torch.', '')}")
                 result["runs"].append(run_dtype(path, tokenizer, prompts, dtype, args, bar))
         if "assisted" in sections:
+            bar.set_postfix_str("assisted")
             result["assisted"] = run_assisted(path, tokenizer, prompts, args, bar)
         if "lookup" in sections:
+            bar.set_postfix_str("prompt lookup")
             result["lookup"] = run_lookup(path, tokenizer, args, bar)
+        if "universal" in sections:
+            bar.set_postfix_str("universal")
+            result["universal"] = run_universal(args, bar)
     if args.only and args.json and Path(args.json).is_file():
         # one section re-measured: keep the other sections of the previous full run
         previous = json.loads(Path(args.json).read_text())
-        for key in ("runs", "assisted", "lookup", "lookup_tokens"):
+        for key in ("runs", "assisted", "lookup", "lookup_tokens", "universal"):
             if not result.get(key) and previous.get(key):
                 result[key] = previous[key]
         result["command"] += f"; other sections from {previous.get('date')}: {previous.get('command')}"
-    report = render_markdown(result)
+    plots = render_plots(result, Path(args.out).parent, Path(args.out).stem) if args.out else {}
+    report = render_markdown(result, plots)
     print(report)
     if args.out:
         Path(args.out).write_text(report)

@@ -13,15 +13,15 @@ candidate, so the output equals plain greedy decoding whatever the generator pro
 Run: `$(scripts/ensure-venv.sh ipex28)/bin/python examples/custom_candidate_generator.py`
 """
 
-import time
+import sys
 
 import torch
 from transformers import AutoTokenizer
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from _common import chat, compare, setup
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.prompts import humaneval_prompts
-from optimum_ipex_spec.provision import provision
 
 
 class ReferenceLookupCandidateGenerator(CandidateGenerator):
@@ -52,37 +52,21 @@ class ReferenceLookupCandidateGenerator(CandidateGenerator):
         self.accepted += int(num_matches)
 
 
-def _chat(tokenizer, message):
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                           add_generation_prompt=True)
-    return tokenizer(prompt, return_tensors="pt")
-
-
 def main():
-    torch.set_num_threads(1)
-    path = provision("smollm2-135m-instruct")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = IPEXModelForCausalLM.from_pretrained(path, export=True)
+    setup()
+    model = IPEXModelForCausalLM.from_pretrained("smollm2-135m-instruct", export=True)
+    tokenizer = AutoTokenizer.from_pretrained(model.source)
     code = humaneval_prompts((2,))[0]
     # The reference document: yesterday's answer to a slightly different request (a cache of earlier
     # answers, as when a user edits a prompt and regenerates).
-    earlier = _chat(tokenizer, f"Rewrite this function with a one-line body.\n\n```python\n{code}```")
+    earlier = chat(tokenizer, f"Rewrite this function with a one-line body.\n\n```python\n{code}```")
     earlier_answer = model.generate(**earlier, max_new_tokens=96, do_sample=False)[0, earlier.input_ids.shape[1]:]
-    inputs = _chat(tokenizer, f"Please rewrite this function with a one-line body.\n\n```python\n{code}```")
+    inputs = chat(tokenizer, f"Please rewrite this function with a one-line body.\n\n```python\n{code}```")
     generator = ReferenceLookupCandidateGenerator(earlier_answer)
-
-    start = time.perf_counter()
-    plain = model.generate(**inputs, max_new_tokens=96, do_sample=False)
-    plain_s = time.perf_counter() - start
-    start = time.perf_counter()
-    assisted = model.generate(**inputs, max_new_tokens=96, do_sample=False, candidate_generator=generator)
-    assisted_s = time.perf_counter() - start
-
-    print(tokenizer.decode(assisted[0, inputs.input_ids.shape[1]:], skip_special_tokens=True))
-    print(f"\nplain greedy {plain_s:.2f} s, with reference lookup {assisted_s:.2f} s (x{plain_s / assisted_s:.2f}); "
-          f"proposed {generator.proposed}, accepted {generator.accepted}; "
-          f"{'token-identical' if torch.equal(plain, assisted) else 'DIFFERENT (bug)'}")
+    same = compare(model, inputs, tokenizer, "reference lookup", max_new_tokens=96, stats=lambda: generator,
+                   candidate_generator=generator)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
