@@ -150,10 +150,17 @@ def _universal_sampling_generator(target, generation_config, input_ids, inputs_t
     the same proposals and probabilities."""
     import inspect
 
-    from transformers.generation.candidate_generator import (
-        AssistantVocabTranslatorCache,
-        UniversalSpeculativeDecodingGenerator,
-    )
+    try:
+        from transformers.generation.candidate_generator import (
+            AssistantVocabTranslatorCache,
+            UniversalSpeculativeDecodingGenerator,
+        )
+    except ImportError:
+        raise ValueError(
+            "sampling (do_sample=True) with a draft of another tokenizer needs transformers >= 4.50 (universal "
+            f"speculative decoding); transformers {transformers.__version__} is installed. Use greedy decoding "
+            "(do_sample=False), a draft with the target's tokenizer, or a newer transformers."
+        ) from None
 
     vocab_size = target.config.get_text_config().vocab_size
     accepted = inspect.signature(AssistantVocabTranslatorCache.get_translator).parameters
@@ -233,7 +240,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         #: pure-PyTorch decoder over a preallocated cache (torch backend, Llama-family architectures); else None
         self.decoder = None
         if backend == "torch":
-            if type(model).__name__ in DECODER_ARCHITECTURES:
+            if TorchCausalLMDecoder.supports(model):
                 self.decoder = TorchCausalLMDecoder(model)
             else:
                 _log_eager_once(type(model).__name__)

@@ -110,7 +110,7 @@ class PreallocatedKVCache(DynamicCache):
         ``crop(-n)`` removes ``n``, ``crop(0)`` removes none).
 
         Raises:
-            ValueError: more tokens requested than cached.
+            ValueError: more tokens to drop than cached.
         """
         if max_length < 0:
             keep = self.length + max_length
@@ -118,9 +118,9 @@ class PreallocatedKVCache(DynamicCache):
             keep = self.length
         else:
             keep = max_length
-        if keep < 0 or keep > self.length:
+        if keep < 0:
             raise ValueError(f"cannot crop the cache to {keep} tokens: it holds {self.length}")
-        self.length = keep
+        self.length = min(keep, self.length)  # like DynamicCache: keeping more than is held changes nothing
 
     def activate_past_recording(self) -> None:
         """5.x marks assistant caches for rollback; every state here can be rolled back."""

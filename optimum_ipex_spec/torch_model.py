@@ -48,15 +48,18 @@ class TorchCausalLMDecoder(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        name = type(model).__name__
-        if name not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"{name} is not supported by the pure-PyTorch decoder ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        if not self.supports(model):
+            raise ValueError(
+                f"{type(model).__name__} is not supported by the pure-PyTorch decoder ({', '.join(SUPPORTED_ARCHITECTURES)}"
+                ", with the model-level rotary embedding of transformers >= 4.48)"
+            )
         config = model.config
         self.model = model
         self.num_heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.num_layers = config.num_hidden_layers
+        self.scaling = self.head_dim ** -0.5
         window = getattr(config, "sliding_window", None)
         if type(model).__name__ == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
             window = None
@@ -78,6 +81,12 @@ class TorchCausalLMDecoder(torch.nn.Module):
         gate_up_t = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0).t().contiguous()
         return (qkv_t, bias, attn.o_proj.weight.detach().t().contiguous(), gate_up_t,
                 mlp.down_proj.weight.detach().t().contiguous())
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """A supported architecture whose rotary tables live on the model (``model.model.rotary_emb``: transformers
+        >= 4.48 for all three; older releases keep them per attention layer)."""
+        return type(model).__name__ in SUPPORTED_ARCHITECTURES and hasattr(getattr(model, "model", None), "rotary_emb")
 
     def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype) -> PreallocatedKVCache:
         return PreallocatedKVCache(self.num_layers, batch_size, self.kv_heads, self.head_dim, dtype, capacity)
@@ -128,7 +137,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
             key = key * cos + _rotate_half(key) * sin
             keys, values = cache.write(index, key, value)
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
-                                                 scale=layer.self_attn.scaling,
+                                                 scale=self.scaling,
                                                  enable_gqa=self.kv_heads != self.num_heads)
             hidden = hidden + out.transpose(1, 2).reshape(batch, q, q_size) @ o_t
             gate, up = (layer.post_attention_layernorm(hidden) @ gate_up_t).chunk(2, dim=-1)
