@@ -76,8 +76,11 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor) -> Tuple[torch.LongTensor, Optional[torch.FloatTensor]]:
-        # transformers' own budget (its _calculate_new_tokens, absent before 4.48): never past max_length
-        max_new_tokens = min(int(self.num_assistant_tokens), self.generation_config.max_length - input_ids.shape[-1] - 1)
+        if hasattr(self, "_calculate_new_tokens"):  # transformers >= 4.48: its own budget
+            _, max_new_tokens = self._calculate_new_tokens(input_ids)
+        else:  # what it computes, from the generation config of that era
+            max_new_tokens = min(int(self.num_assistant_tokens),
+                                 self.generation_config.max_length - input_ids.shape[-1] - 1)
         if max_new_tokens <= 0:
             return input_ids, None
         draft = self.assistant_model
