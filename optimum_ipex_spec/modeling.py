@@ -72,7 +72,8 @@ IPEX_VERIFY_GRAPH_NAME = "ipex_verify_model.pt"
 EXPORT_FORMAT_VERSION = 1
 BACKENDS = ("auto", "ipex", "torch")
 #: transformers 5 renamed generate()'s and forward()'s ``past_key_values`` to ``cache``.
-CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+CACHE_KWARG = "cache" if TRANSFORMERS_MAJOR >= 5 else "past_key_values"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -433,7 +434,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if low < 0 or high >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}) for this model; got values in [{low}, {high}]")
         if past_key_values is None:
-            past_key_values = IPEXFusedCache(self._num_layers, batch, self._dtype)
+            past_key_values = self.new_cache(batch)
         if not isinstance(past_key_values, IPEXFusedCache):
             raise TypeError(
                 f"past_key_values must be an IPEXFusedCache for the IPEX backend, got {type(past_key_values).__name__}"
@@ -542,7 +543,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             return
         if generation_config.use_cache is False:
             return
-        model_kwargs["past_key_values"] = IPEXFusedCache(self._num_layers, batch_size, self._dtype)
+        model_kwargs["past_key_values"] = self.new_cache(batch_size)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
@@ -686,12 +687,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             ValueError: prompt + new tokens exceed the sliding window (4.x's DynamicCache path masks the
                 window wrongly past it; transformers >= 5 handles it: use the ``torch-current`` lane).
         """
-        import transformers
-
         text_config = self.config.get_text_config()
         implementation = getattr(self.generation_config, "cache_implementation", None) or getattr(
             text_config, "cache_implementation", None)
-        if (int(transformers.__version__.split(".")[0]) >= 5 or kwargs.get("past_key_values") is not None
+        if (TRANSFORMERS_MAJOR >= 5 or kwargs.get("past_key_values") is not None
                 or implementation not in ("static", "hybrid", "sliding_window", "hybrid_chunked")):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
