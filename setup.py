@@ -29,6 +29,7 @@ setup(
         "tqdm",
         "packaging",
         "gguf>=0.10",
+        "accelerate",  # transformers' from_pretrained(..., gguf_file=...) (model provisioning) requires it
     ],
     extras_require={
         "ipex": IPEX_LANE,

