@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+import transformers
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
 
@@ -214,48 +215,98 @@ class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):
             self.backoff = 1
 
 
+#: transformers 4.x's assisted decoding adds no token in a round whose candidate (even with zero proposals) already
+#: meets a stopping criterion; 5.x adds the target's own token.
+_ZERO_PROPOSALS_ADD_NOTHING = int(transformers.__version__.split(".")[0]) < 5
+
+
+def _stopping_point(criteria, ids: torch.LongTensor) -> bool:
+    """Whether any of ``criteria`` stops ``ids`` (batch 1), each called with ``scores=None``. A criterion that
+    needs the scores (it raises TypeError/AttributeError without them) is left to transformers' own end-of-block
+    check; the others are still consulted."""
+    for criterion in criteria:
+        try:
+            if bool(torch.as_tensor(criterion(ids, None)).any()):
+                return True
+        except (TypeError, AttributeError):
+            continue
+    return False
+
+
+def cut_at_stopping_point(candidates: torch.LongTensor, logits: Optional[torch.FloatTensor], start: int, criteria,
+                          keep_stopping_token: bool):
+    """Cut a proposal ``candidates [1, start + n]`` (and its ``logits [1, n, vocab]`` when given) at the first
+    prefix that one of the stopping ``criteria`` stops.
+
+    ``keep_stopping_token=False`` (greedy) keeps the proposals strictly before that prefix: at most the target's
+    own next token then reaches the stopping point, where transformers' end-of-block check stops, as plain decoding
+    would. ``keep_stopping_token=True`` (sampling) keeps the stopping token and drops what follows: whether a token
+    is proposed then depends only on the tokens before it (a stopping time), which keeps speculative sampling's law
+    exact; dropping a drafted token because of its own value would bias it.
+    """
+    if _ZERO_PROPOSALS_ADD_NOTHING and _stopping_point(criteria, candidates[:, :start]):
+        # the context itself already stops (max_time ran out): propose exactly one token. transformers 4.x treats a
+        # candidate that meets a criterion as complete and drops the target's own token (n_matches - 1), so zero
+        # proposals would add nothing where plain decoding adds one; with one proposal it adds exactly the target's
+        # token, whatever was proposed.
+        first = candidates[:, start : start + 1] if candidates.shape[1] > start else candidates[:, start - 1 : start]
+        return torch.cat([candidates[:, :start], first], dim=-1), None if logits is None else logits[:, :1]
+    for end in range(start + 1, candidates.shape[1] + 1):
+        if _stopping_point(criteria, candidates[:, :end]):
+            keep = end - start - (0 if keep_stopping_token else 1)
+            return candidates[:, : start + keep], (logits[:, :keep] if logits is not None else None)
+    return candidates, logits
+
+
+def stop_proposals_at_stopping_criteria(generator, stopping_criteria, keep_stopping_token: bool = False):
+    """Make ``generator`` (a transformers ``CandidateGenerator`` or one of ours) cut each proposal at the first
+    point where ``stopping_criteria`` (all criteria of the ``generate()`` call: ``max_length``, EOS,
+    ``stop_strings``, the user's) stop; see :func:`cut_at_stopping_point`.
+
+    transformers checks the criteria other than EOS and ``max_length`` (and in 4.x all of them) only at the end of
+    an accepted block, and relies on each candidate generator to stop its proposals there; a proposal that crosses
+    the stopping point returns tokens that plain decoding would not. The instance's ``get_candidates`` is wrapped
+    in place so that transformers still sees the generator's own class (5.x checks ``isinstance`` to persist the
+    heuristic schedule). Returns ``generator``.
+    """
+    original = generator.get_candidates
+
+    def get_candidates(input_ids, *args, **kwargs):
+        candidates, logits = original(input_ids, *args, **kwargs)
+        return cut_at_stopping_point(candidates, logits, input_ids.shape[1], stopping_criteria, keep_stopping_token)
+
+    generator.get_candidates = get_candidates
+    return generator
+
+
 class StoppingCriteriaAwareCandidates:
-    """Wraps a candidate generator so that no proposal reaches past a user stopping criterion.
+    """Wraps a user-written candidate generator so that no proposal reaches past a stopping criterion of the
+    ``generate()`` call (``max_new_tokens`` / ``max_length``, EOS, ``stop_strings``, the user's
+    ``StoppingCriteria``, ``max_time``): see :func:`cut_at_stopping_point`. A user's generator need not know the
+    budget or the stopping rules; the output is plain decoding's whatever it proposes.
 
-    transformers >= 5 checks stopping criteria other than EOS and ``max_length`` only at the end of an accepted
-    block, so a block that crosses the point where the criterion fires returns tokens that plain greedy
-    decoding would not (its own comment in ``_assisted_decoding`` says so). This wrapper evaluates the criteria
-    (with ``scores=None``) on each prefix of the proposal and cuts the proposal one token before the first
-    prefix that stops: at most the target's own next token then reaches the stopping point, and transformers'
-    end-of-block check stops there, as plain decoding would.
-
-    It also wraps user-written generators (with an empty criteria list) to give them the attributes
-    transformers 5 reads from every candidate generator (``requires_model_outputs``).
+    It also gives user-written generators the attributes transformers 5 reads from every candidate generator
+    (``requires_model_outputs``).
 
     Args:
         generator: any object with transformers' two-method candidate-generator interface.
-        stopping_criteria: the user's ``StoppingCriteriaList`` or list (criteria are called with ``scores=None``;
-            one that needs the scores is left to transformers' own end-of-block check).
+        stopping_criteria: the ``StoppingCriteriaList`` (or list) of the call (criteria are called with
+            ``scores=None``; one that needs the scores is left to transformers' own end-of-block check).
+        keep_stopping_token: True when sampling (see :func:`cut_at_stopping_point`).
     """
 
-    def __init__(self, generator, stopping_criteria):
+    def __init__(self, generator, stopping_criteria, keep_stopping_token: bool = False):
         from transformers import StoppingCriteriaList
 
         self.generator = generator
         self.stopping_criteria = (stopping_criteria if isinstance(stopping_criteria, StoppingCriteriaList)
                                   else StoppingCriteriaList(stopping_criteria))
-
-    def _stops(self, ids: torch.LongTensor) -> bool:
-        try:
-            return bool(self.stopping_criteria(ids, None).any())
-        except (TypeError, AttributeError):  # a criterion that needs the scores: it is checked by transformers
-            return False
+        self.keep_stopping_token = keep_stopping_token
 
     def get_candidates(self, input_ids: torch.LongTensor):
         candidates, logits = self.generator.get_candidates(input_ids)
-        start = input_ids.shape[1]
-        for end in range(start + 1, candidates.shape[1] + 1):
-            if self._stops(candidates[:, :end]):
-                keep = end - 1 - start  # proposals strictly before the stopping point
-                candidates = candidates[:, : start + keep]
-                logits = logits[:, :keep] if logits is not None else None
-                break
-        return candidates, logits
+        return cut_at_stopping_point(candidates, logits, input_ids.shape[1], self.stopping_criteria,
+                                     self.keep_stopping_token)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
         return self.generator.update_candidate_strategy(input_ids, scores, num_matches)

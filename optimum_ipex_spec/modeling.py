@@ -8,6 +8,7 @@ streamers, stopping criteria and ``pipeline("text-generation")`` work as with tr
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -29,6 +30,7 @@ from .candidates import (
     AdaptivePromptLookupCandidateGenerator,
     IPEXDraftCandidateGenerator,
     StoppingCriteriaAwareCandidates,
+    stop_proposals_at_stopping_criteria,
 )
 from .generation_compat import GenerationCompatMixin
 from .exporters.ipex import (
@@ -67,6 +69,8 @@ def _warn_once(message: str) -> None:
 GRAPH_FUSION_STRATEGY = [("DYNAMIC", 20)]
 
 EXPORT_CONFIG_NAME = "ipex_export.json"
+#: attribute set on a transformers model that an export handed to ``ipex.llm.optimize`` (modified in place)
+IPEX_OPTIMIZED_MARK = "_optimum_ipex_spec_optimized"
 IPEX_GRAPH_NAME = "ipex_model.pt"
 IPEX_VERIFY_GRAPH_NAME = "ipex_verify_model.pt"
 EXPORT_FORMAT_VERSION = 1
@@ -176,6 +180,66 @@ def _universal_sampling_generator(target, generation_config, input_ids, inputs_t
         input_ids=input_ids, assistant_model=assistant_model, generation_config=generation_config,
         model_kwargs=model_kwargs, inputs_tensor=inputs_tensor, logits_processor=logits_processor,
         target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer, atm_translator=translator)
+
+
+#: generate() arguments that transformers' assisted generation reads from the draft's own generation config
+DRAFT_ARGUMENTS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+#: ... and those that only universal assisted generation (draft of another tokenizer) reads, also from the draft
+UNIVERSAL_ARGUMENTS = ("assistant_lookbehind", "target_lookbehind")
+
+
+def _assisted_arguments(generation_config, kwargs, candidate_generator) -> Dict[str, Any]:
+    """Check the assisted-decoding arguments of a ``generate()`` call and return those the draft's generation config
+    must carry for this call (``DRAFT_ARGUMENTS`` and ``UNIVERSAL_ARGUMENTS`` passed as keywords, which are removed
+    from ``kwargs``, or set to a non-default value in a ``generation_config=`` passed to the call).
+
+    Raises:
+        ValueError: an argument without the strategy it configures: a draft argument without ``assistant_model``
+            (or with ``candidate_generator``, which chooses its own proposals), a lookbehind without ``tokenizer=``
+            and ``assistant_tokenizer=``, ``max_matching_ngram_size`` without ``prompt_lookup_num_tokens``, or
+            ``prompt_lookup_num_tokens`` together with ``assistant_model`` (transformers would silently drop the
+            draft).
+    """
+    assistant = kwargs.get("assistant_model")
+    lookup = kwargs.get("prompt_lookup_num_tokens", getattr(kwargs.get("generation_config"), "prompt_lookup_num_tokens",
+                                                            None))
+    if assistant is not None and lookup is not None:
+        raise ValueError(
+            "pass either assistant_model (a draft model) or prompt_lookup_num_tokens (prompt lookup), not both: "
+            "they are two different sources of draft tokens"
+        )
+    if kwargs.get("max_matching_ngram_size") is not None and lookup is None and candidate_generator is None:
+        raise ValueError("max_matching_ngram_size configures prompt lookup: pass prompt_lookup_num_tokens=... too")
+    if candidate_generator is not None and kwargs.get("max_matching_ngram_size") is not None:
+        raise ValueError("max_matching_ngram_size configures prompt lookup; a candidate_generator makes its own "
+                         "proposals: drop the argument")
+    passed = {name: kwargs[name] for name in DRAFT_ARGUMENTS + UNIVERSAL_ARGUMENTS if kwargs.get(name) is not None}
+    user_config = kwargs.get("generation_config")
+    if user_config is not None and assistant is not None:
+        defaults = GenerationConfig()
+        for name in DRAFT_ARGUMENTS + UNIVERSAL_ARGUMENTS:
+            configured = getattr(user_config, name, None)
+            if (name not in passed and configured is not None and configured != getattr(defaults, name, None)
+                    and configured != getattr(assistant.generation_config, name, None)):
+                passed[name] = configured
+    if not passed:
+        return {}
+    names = ", ".join(sorted(passed))
+    if candidate_generator is not None:
+        raise ValueError(f"{names} configure(s) a draft model (assistant_model=...); a candidate_generator makes its "
+                         "own proposals: drop the argument(s) or configure your generator")
+    if assistant is None:
+        source = "prompt lookup counts its proposals with prompt_lookup_num_tokens" if lookup is not None else (
+            "this call has no draft")
+        raise ValueError(f"{names} configure(s) the draft model of speculative decoding: pass assistant_model=... "
+                         f"({source})")
+    universal = [name for name in UNIVERSAL_ARGUMENTS if name in passed]
+    if universal and (kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None):
+        raise ValueError(f"{', '.join(universal)} configure(s) universal assisted generation (a draft of another "
+                         "tokenizer): pass tokenizer=... and assistant_tokenizer=... too")
+    for name in passed:
+        kwargs.pop(name, None)
+    return passed
 
 
 def _same_size_different_vocabularies(target, assistant, tokenizer, assistant_tokenizer) -> bool:
@@ -521,13 +585,15 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, assistant_model, batch_size, *args):
         # 4.x: (..., assistant_model, batch_size, max_cache_length, device); 5.x: (..., generation_mode, batch_size,
-        # max_cache_length)
+        # max_cache_length). batch_size counts the prompts; generate() expands each to num_return_sequences (or
+        # num_beams) rows after this call, as transformers sizes its own static caches.
+        rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
         if self.backend == "torch" and self.decoder is not None:
             user_cache = model_kwargs.get(CACHE_KWARG)
             if user_cache is not None or generation_config.use_cache is False:
                 return
             capacity = args[0] if args and isinstance(args[0], int) else 256
-            model_kwargs[CACHE_KWARG] = self.decoder.new_cache(batch_size, capacity, self._dtype)
+            model_kwargs[CACHE_KWARG] = self.decoder.new_cache(rows, capacity, self._dtype)
             return
         if self.backend == "torch":
             return self.model._prepare_cache_for_generation(
@@ -543,20 +609,36 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             return
         if generation_config.use_cache is False:
             return
-        model_kwargs["past_key_values"] = self.new_cache(batch_size)
+        model_kwargs["past_key_values"] = self.new_cache(rows)
+
+    def _get_stopping_criteria(self, *args, **kwargs):
+        """transformers' stopping criteria of this ``generate()`` call (``max_length``, EOS, ``stop_strings``,
+        ``max_time``, the user's), remembered so that :meth:`_get_candidate_generator` can cut every proposal at the
+        first stopping point (transformers builds them before the candidate generator, in 4.4x-5.x)."""
+        criteria = super()._get_stopping_criteria(*args, **kwargs)
+        self._custom_candidates.all_stopping_criteria = criteria
+        return criteria
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
-        """The candidate generator for assisted generation (see :meth:`_select_candidate_generator`), cut short of
-        any user stopping criterion (:class:`~optimum_ipex_spec.candidates.StoppingCriteriaAwareCandidates`)."""
+        """The candidate generator for assisted generation (see :meth:`_select_candidate_generator`), whatever its
+        source, cut at the first point where a stopping criterion of the call stops
+        (:func:`~optimum_ipex_spec.candidates.cut_at_stopping_point`): no proposal reaches past ``max_new_tokens``,
+        EOS, ``stop_strings``, ``max_time`` or a user ``StoppingCriteria``, so the output is plain decoding's."""
         custom = getattr(self._custom_candidates, "generator", None)
-        user_criteria = getattr(self._custom_candidates, "stopping_criteria", None)
+        criteria = getattr(self._custom_candidates, "all_stopping_criteria", None) or []
+        keep_stopping_token = bool(generation_config.do_sample)
         if custom is not None:  # a user-written generator: give it the attributes transformers 5 reads too
-            return StoppingCriteriaAwareCandidates(custom, user_criteria or [])
+            return StoppingCriteriaAwareCandidates(custom, criteria, keep_stopping_token)
         generator = self._select_candidate_generator(
             generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model,
             target_tokenizer, assistant_tokenizer)
-        return StoppingCriteriaAwareCandidates(generator, user_criteria) if user_criteria else generator
+        draft_config = getattr(generator, "generation_config", None)  # transformers' drafts: a copy of the target's
+        if draft_config is not None and getattr(draft_config, "stop_strings", None) is not None:
+            # the draft's nested generate() gets no tokenizer and would refuse stop_strings; the proposals are cut
+            # at the stop strings here instead
+            draft_config.stop_strings = None
+        return stop_proposals_at_stopping_criteria(generator, criteria, keep_stopping_token) if criteria else generator
 
     def _select_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                     assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
@@ -620,9 +702,18 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 transformers' assisted decoding with these candidates, verified by this model (lossless).
                 Batch size 1, as all assisted generation in transformers.
 
+        The assisted-decoding arguments transformers documents are honoured when passed here (transformers reads
+        the first three from the draft's own generation config and ignores them on ``generate()``):
+        ``num_assistant_tokens``, ``num_assistant_tokens_schedule`` and ``assistant_confidence_threshold`` (with
+        ``assistant_model``), ``assistant_lookbehind`` and ``target_lookbehind`` (universal assisted generation:
+        ``tokenizer=`` and ``assistant_tokenizer=``), ``prompt_lookup_num_tokens`` and ``max_matching_ngram_size``
+        (prompt lookup). They apply to this call only: the draft's generation config is left as it was.
+
         Raises:
-            ValueError: ``num_beams > 1`` on the IPEX backend (IPEXFusedCache does not reorder beams);
-                ``candidate_generator`` together with ``assistant_model`` or ``prompt_lookup_num_tokens``.
+            ValueError: ``num_beams > 1`` on the IPEX backend (IPEXFusedCache does not reorder beams); contrastive
+                search; speculative decoding with more than one prompt; ``candidate_generator`` together with
+                ``assistant_model`` or ``prompt_lookup_num_tokens``; an assisted-decoding argument without the
+                strategy it configures (e.g. ``num_assistant_tokens`` without ``assistant_model``).
             TypeError: ``candidate_generator`` lacks the two methods.
         """
         generation_config = kwargs.get("generation_config") or self.generation_config
@@ -632,6 +723,20 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 "Beam search (num_beams > 1) is not supported on the IPEX backend: IPEXFusedCache does not reorder "
                 "beams. Use greedy decoding, sampling, or assisted generation."
             )
+        self._check_generation_mode(generation_config, args, kwargs, candidate_generator)
+        draft_overrides = _assisted_arguments(generation_config, kwargs, candidate_generator)
+        if draft_overrides:
+            # transformers reads these from the draft's generation config: give the draft a copy that carries them,
+            # for this call only (the heuristic schedule's write-back then lands in the copy too)
+            assistant = kwargs["assistant_model"]
+            original = assistant.generation_config
+            assistant.generation_config = copy.deepcopy(original)
+            for name, value in draft_overrides.items():
+                setattr(assistant.generation_config, name, value)
+            try:
+                return self.generate(*args, candidate_generator=candidate_generator, **kwargs)
+            finally:
+                assistant.generation_config = original
         if candidate_generator is not None:
             for method in ("get_candidates", "update_candidate_strategy"):
                 if not callable(getattr(candidate_generator, method, None)):
@@ -660,12 +765,6 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 self._custom_candidates.assistant_tokenizer = None
         if self.backend == "torch" and (assistant is not None or kwargs.get("prompt_lookup_num_tokens") is not None):
             self._dynamic_cache_for_assisted(args, kwargs)
-        if kwargs.get("stopping_criteria") and getattr(self._custom_candidates, "stopping_criteria", None) is None:
-            self._custom_candidates.stopping_criteria = kwargs["stopping_criteria"]
-            try:
-                return self.generate(*args, **kwargs)
-            finally:
-                self._custom_candidates.stopping_criteria = None
         ipex_involved = self.backend == "ipex" or getattr(assistant, "backend", None) == "ipex"
         if not ipex_involved:
             return super().generate(*args, **kwargs)
@@ -677,6 +776,43 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         )
         with generation_patches(assisted=assisted):
             return super().generate(*args, **kwargs)
+
+    def _check_generation_mode(self, generation_config, args, kwargs, candidate_generator) -> None:
+        """Refuse, naming the mode, what this model cannot run.
+
+        Raises:
+            ValueError: contrastive search (``penalty_alpha > 0`` with ``top_k > 1``); speculative decoding
+                (``assistant_model``, ``prompt_lookup_num_tokens`` or ``candidate_generator``) with more than one
+                prompt or more than one returned sequence.
+        """
+        def value(name):
+            return kwargs[name] if name in kwargs else getattr(generation_config, name, None)
+
+        if (value("penalty_alpha") or 0) > 0 and (value("top_k") or 0) > 1 and not value("do_sample"):
+            raise ValueError(
+                f"contrastive search (penalty_alpha={value('penalty_alpha')} with top_k={value('top_k')}) is not "
+                "supported by IPEXModelForCausalLM: it re-ranks candidates by the hidden states of every step, which "
+                "the fused graph and our cache do not provide. Use greedy decoding, sampling or speculative decoding "
+                "(assistant_model=...), or transformers' own model for contrastive search."
+            )
+        speculative = (kwargs.get("assistant_model") is not None or candidate_generator is not None
+                       or kwargs.get("prompt_lookup_num_tokens") is not None)
+        if not speculative:
+            return
+        inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
+        if batch > 1:
+            raise ValueError(
+                f"speculative decoding (assistant_model, prompt_lookup_num_tokens or candidate_generator) runs one "
+                f"prompt at a time (transformers' assisted generation is batch size 1 only); got a batch of {batch}. "
+                "Generate each prompt separately, or the batch without speculative decoding."
+            )
+        if (value("num_return_sequences") or 1) > 1:
+            raise ValueError(
+                "speculative decoding (assistant_model, prompt_lookup_num_tokens or candidate_generator) returns one "
+                f"sequence per prompt; got num_return_sequences={value('num_return_sequences')}. Call generate() "
+                "several times, or sample the sequences without speculative decoding."
+            )
 
     def _dynamic_cache_for_assisted(self, args, kwargs) -> None:
         """transformers 4.x refuses assisted generation for models whose default cache is static, hybrid or
@@ -852,13 +988,22 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         source: Optional[str] = None,
     ) -> "IPEXModelForCausalLM":
         """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
-        if you still need the eager model.
+        if you still need the eager model, or want to export it again.
 
         Raises:
-            ValueError: not a causal LM, unsupported dtype or backend.
+            ValueError: not a causal LM, unsupported dtype or backend; ``model`` was already optimized by IPEX
+                (an earlier export of the same object): IPEX rewrote its modules in place and it cannot be traced
+                again.
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if _ipex_optimized(model):
+            raise ValueError(
+                f"this {type(model).__name__} object was already optimized by IPEX (an earlier export, or "
+                "ipex.llm.optimize): IPEX rewrites the model in place, so it cannot be exported again. Reuse the "
+                "first IPEXModelForCausalLM, export a fresh copy (from_transformers_model(copy.deepcopy(model)) "
+                "before the first export), or load the checkpoint again with from_pretrained(..., export=True)."
+            )
         config = model.config
         if not getattr(config, "architectures", None):
             config.architectures = [type(model).__name__]
@@ -868,6 +1013,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         generation_config = generation_config or getattr(model, "generation_config", None)
         chosen = cls._choose_backend(backend, config)
         if chosen == "ipex":
+            setattr(model, IPEX_OPTIMIZED_MARK, True)  # set before: a failed export leaves the model modified too
             graphs = export_to_ipex(model, dtype)
             return cls(graphs.decode, config, backend="ipex", dtype=dtype, generation_config=generation_config,
                        verify_model=graphs.verify, source=source)
@@ -974,6 +1120,36 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self.generation_config.save_pretrained(save_directory)
         with open(os.path.join(save_directory, EXPORT_CONFIG_NAME), "w") as f:
             json.dump(meta, f, indent=2)
+
+
+def _ipex_optimized(model: torch.nn.Module) -> bool:
+    """True when ``ipex.llm.optimize`` already rewrote ``model`` in place: IPEX swaps in its own module classes
+    (decoder layers, attention, linear) and our export marks the model (:data:`IPEX_OPTIMIZED_MARK`)."""
+    if getattr(model, IPEX_OPTIMIZED_MARK, False):
+        return True
+    return any(type(module).__module__.startswith("intel_extension_for_pytorch") for module in model.modules())
+
+
+#: the key under which :func:`register_for_pipelines` lists ``IPEXModelForCausalLM`` among the causal LMs
+PIPELINE_REGISTRATION_KEY = "optimum-ipex-spec"
+
+
+def register_for_pipelines() -> None:
+    """List ``IPEXModelForCausalLM`` among the text-generation models that transformers' pipelines accept.
+
+    ``pipeline("text-generation", model=...)`` checks ``type(model).__name__`` against the values of
+    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (4.4x-5.x; the ``AutoModelForCausalLM.register`` entries of a config class
+    are not consulted there) and logs an error-level "is not supported for text-generation" line with a hundred
+    names on every construction, although generation works. The entry added here is keyed by our own name, which no
+    config's ``model_type`` uses, so the auto classes (keyed by ``model_type``) are unaffected. Idempotent; called on
+    import.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(PIPELINE_REGISTRATION_KEY, IPEXModelForCausalLM.__name__)
+
+
+register_for_pipelines()
 
 
 def _reexport_hint(meta: dict) -> str:
