@@ -41,7 +41,7 @@ from .exporters.ipex import (
     load_ipex_graph,
     save_ipex_graph,
 )
-from .patching import generation_patches
+from .patching import generation_patches, register_for_pipelines
 from .torch_cache import PreallocatedKVCache
 from .torch_model import SUPPORTED_ARCHITECTURES as DECODER_ARCHITECTURES, TorchCausalLMDecoder
 from .utils.fs import looks_like_local_path
@@ -1130,26 +1130,7 @@ def _ipex_optimized(model: torch.nn.Module) -> bool:
     return any(type(module).__module__.startswith("intel_extension_for_pytorch") for module in model.modules())
 
 
-#: the key under which :func:`register_for_pipelines` lists ``IPEXModelForCausalLM`` among the causal LMs
-PIPELINE_REGISTRATION_KEY = "optimum-ipex-spec"
-
-
-def register_for_pipelines() -> None:
-    """List ``IPEXModelForCausalLM`` among the text-generation models that transformers' pipelines accept.
-
-    ``pipeline("text-generation", model=...)`` checks ``type(model).__name__`` against the values of
-    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (4.4x-5.x; the ``AutoModelForCausalLM.register`` entries of a config class
-    are not consulted there) and logs an error-level "is not supported for text-generation" line with a hundred
-    names on every construction, although generation works. The entry added here is keyed by our own name, which no
-    config's ``model_type`` uses, so the auto classes (keyed by ``model_type``) are unaffected. Idempotent; called on
-    import.
-    """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(PIPELINE_REGISTRATION_KEY, IPEXModelForCausalLM.__name__)
-
-
-register_for_pipelines()
+register_for_pipelines(IPEXModelForCausalLM.__name__)
 
 
 def _reexport_hint(meta: dict) -> str:

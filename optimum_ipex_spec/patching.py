@@ -13,6 +13,10 @@ Two users:
 * ``exact_chunk_attention_patch()``: swaps IPEX's fused attention function for an exact one while
   the verification graph is traced (see :mod:`optimum_ipex_spec.exporters.ipex`).
 
+One permanent registration, made once on import of :mod:`optimum_ipex_spec.modeling`:
+``register_for_pipelines()`` adds one entry, under a key of our own, to the name table transformers'
+text-generation pipeline checks models against. It replaces nothing transformers had.
+
 Gate: assisted generation with an IPEX model needs IPEX >= 2.4 (the fused cache layout this package
 crops); older versions raise :class:`UnsupportedIPEXVersionError` before generation starts.
 """
@@ -182,3 +186,22 @@ def exact_chunk_attention_patch(replacement) -> contextlib.AbstractContextManage
     from intel_extension_for_pytorch.transformers.models.cpu.fusions import mha_fusion
 
     return _TRACING.activate([Patch(mha_fusion._IPEXScaleDotProductCPU, "apply_function", replacement)])
+
+
+#: the key under which :func:`register_for_pipelines` lists our model class among the causal LMs
+PIPELINE_REGISTRATION_KEY = "optimum-ipex-spec"
+
+
+def register_for_pipelines(class_name: str) -> None:
+    """List ``class_name`` among the text-generation models that transformers' pipelines accept.
+
+    ``pipeline("text-generation", model=...)`` checks ``type(model).__name__`` against the values of
+    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (4.4x-5.x; the ``AutoModelForCausalLM.register`` entries of a config class
+    are not consulted there) and otherwise logs an error-level "is not supported for text-generation" line with a
+    hundred names on every construction, although generation works. The entry is added under our own key, which no
+    config's ``model_type`` uses, so the auto classes (keyed by ``model_type``) are unaffected; nothing transformers
+    had is replaced. Idempotent.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(PIPELINE_REGISTRATION_KEY, class_name)
