@@ -267,7 +267,8 @@ def test_gemma3_greedy_generation(gemma3_dir):
                    607, 1116, 4690, 236761, 3656, 1719, 236764, 60708]
 
 
-@pytest.mark.parametrize("key", list(REAL_MODELS))
+@pytest.mark.parametrize("key", [pytest.param(key, marks=[] if key.endswith(" tokenizer") else [pytest.mark.slow])
+                                 for key in REAL_MODELS])
 def test_real_model_is_provisioned(key):
     """Each real model the tests read is provisioned (make test does it first). If one cannot be, this is the one
     failure of the run for it, naming the cause and the fix; the tests that read it skip, pointing here."""
