@@ -50,6 +50,7 @@ NOT_RUN_BASH = {
     "python -m optimum_ipex_spec.provision smollm2": "provisioning: tests/test_provision.py",
     "make provision": "provisioning: tests/test_provision.py",
     "pip install": "changes the environment",
+    "python benchmarks/export_memory.py": "measures for minutes in fresh processes; its figures are in docs/memory.md",
 }
 
 RUNNER = r"""
