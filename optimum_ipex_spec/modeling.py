@@ -45,7 +45,7 @@ from .patching import generation_patches, register_for_pipelines
 from .torch_cache import PreallocatedKVCache
 from .torch_model import SUPPORTED_ARCHITECTURES as DECODER_ARCHITECTURES, TorchCausalLMDecoder
 from .utils.fs import looks_like_local_path
-from .utils.import_utils import ipex_status, log_fallback_once, parse_version, require_ipex
+from .utils.import_utils import ipex_status, log_fallback_once, parse_version, require_ipex, transformers_major
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -76,7 +76,7 @@ IPEX_VERIFY_GRAPH_NAME = "ipex_verify_model.pt"
 EXPORT_FORMAT_VERSION = 1
 BACKENDS = ("auto", "ipex", "torch")
 #: transformers 5 renamed generate()'s and forward()'s ``past_key_values`` to ``cache``.
-TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+TRANSFORMERS_MAJOR = transformers_major()
 CACHE_KWARG = "cache" if TRANSFORMERS_MAJOR >= 5 else "past_key_values"
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional
 
 from .utils.fs import staged_directory
+from .utils.import_utils import transformers_major
 
 PROVENANCE_NAME = "provenance.json"
 CACHE_ENV = "OPTIMUM_IPEX_SPEC_CACHE"
@@ -302,7 +303,7 @@ def _load_gguf_model(gguf_path: Path, config):
 def _require_transformers_5_for_gemma3() -> None:
     import transformers
 
-    if int(transformers.__version__.split(".")[0]) < 5:
+    if transformers_major() < 5:
         raise ProvisionError(
             f"reading Gemma 3 GGUF needs transformers >= 5 (installed: {transformers.__version__}); provision it "
             "once from a transformers 5 environment (`make provision-gemma3`, which uses the no-IPEX lane) into "
@@ -313,7 +314,6 @@ def _require_transformers_5_for_gemma3() -> None:
 def _gemma3_tokenizer(gguf_path: Path, out_dir: Path):
     from transformers import AutoTokenizer
 
-    _require_transformers_5_for_gemma3()
     gguf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # Gemma adds <bos> to every input (GGUF tokenizer.ggml.add_bos_token = true); eos is <eos>.
     _save_plain_tokenizer(

@@ -14,6 +14,8 @@ from typing import Optional, Tuple
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .utils.import_utils import transformers_major
+
 
 class PreallocatedKVCache(DynamicCache):
     """KV cache of :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder`.
@@ -148,9 +150,7 @@ class PreallocatedKVCache(DynamicCache):
 def _zero_means_nothing() -> bool:
     """transformers >= 5 calls ``crop(0)`` meaning "remove 0 tokens"; 4.x never calls it (there it would mean
     "keep 0 tokens", which no caller asks for)."""
-    import transformers
-
-    return int(transformers.__version__.split(".")[0]) >= 5
+    return transformers_major() >= 5
 
 
 _ZERO_MEANS_NOTHING = _zero_means_nothing()

@@ -20,6 +20,14 @@ from typing import Optional
 
 logger = logging.getLogger("optimum_ipex_spec")
 
+
+@functools.lru_cache(maxsize=None)
+def transformers_major() -> int:
+    """The installed transformers' major version (4 or 5): the one place the package reads it."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
 #: The lane this package is validated on (see README, "Version lanes").
 IPEX_PIP_COMMAND = (
     'pip install "torch==2.8.0" "intel-extension-for-pytorch==2.8.0" "transformers==4.51.3"'
