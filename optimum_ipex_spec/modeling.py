@@ -35,11 +35,13 @@ from .candidates import (
 from .generation_compat import GenerationCompatMixin
 from .exporters.ipex import (
     IPEX_FUSED_ARCHITECTURES,
+    IPEXGraphs,
     export_to_ipex,
     first_architecture,
     ipex_supports,
-    load_ipex_graph,
+    load_ipex_graphs,
     save_ipex_graph,
+    save_ipex_graphs,
 )
 from .patching import generation_patches, register_for_pipelines
 from .torch_cache import PreallocatedKVCache
@@ -73,7 +75,9 @@ EXPORT_CONFIG_NAME = "ipex_export.json"
 IPEX_OPTIMIZED_MARK = "_optimum_ipex_spec_optimized"
 IPEX_GRAPH_NAME = "ipex_model.pt"
 IPEX_VERIFY_GRAPH_NAME = "ipex_verify_model.pt"
-EXPORT_FORMAT_VERSION = 1
+#: 1: frozen decode graph in ipex_model.pt, frozen verification graph in ipex_verify_model.pt;
+#: 2: both traces, unfrozen and sharing their weights, in ipex_model.pt (read: 1 and 2)
+EXPORT_FORMAT_VERSION = 2
 BACKENDS = ("auto", "ipex", "torch")
 #: transformers 5 renamed generate()'s and forward()'s ``past_key_values`` to ``cache``.
 TRANSFORMERS_MAJOR = transformers_major()
@@ -1078,8 +1082,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                     f"{model_id} was exported with IPEX {saved} but IPEX {status.ipex_version} is installed; "
                     "re-export it with IPEXModelForCausalLM.from_pretrained(original_checkpoint, export=True)"
                 )
-            graph = _load_graph_file(folder, IPEX_GRAPH_NAME, meta, required=True)
-            verify = _load_graph_file(folder, IPEX_VERIFY_GRAPH_NAME, meta, required=False)
+            graphs = _load_graph_file(folder, IPEX_GRAPH_NAME, meta, required=True)
+            graph, verify = graphs.decode, graphs.verify
+            if verify is None:  # export format 1: the frozen verification graph in a file of its own
+                legacy = _load_graph_file(folder, IPEX_VERIFY_GRAPH_NAME, meta, required=False)
+                verify = legacy.decode if legacy is not None else None
             model = cls(graph, config, backend="ipex", dtype=dtype, generation_config=generation_config,
                         model_save_dir=folder, verify_model=verify, source=meta.get("source"), warmup=False)
             try:
@@ -1112,9 +1119,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             "source": self.source,
         }
         if self.backend == "ipex":
-            save_ipex_graph(self.model, os.path.join(save_directory, IPEX_GRAPH_NAME))
+            path = os.path.join(save_directory, IPEX_GRAPH_NAME)
             if self.verify_model is not None:
-                save_ipex_graph(self.verify_model, os.path.join(save_directory, IPEX_VERIFY_GRAPH_NAME))
+                save_ipex_graphs(IPEXGraphs(decode=self.model, verify=self.verify_model), path)
+            else:
+                save_ipex_graph(self.model, path)
         else:
             self.model.save_pretrained(save_directory)
         self.generation_config.save_pretrained(save_directory)
@@ -1175,7 +1184,7 @@ def _load_graph_file(folder: str, name: str, meta: dict, required: bool):
             raise FileNotFoundError(f"{path} is missing; {_reexport_hint(meta)}")
         return None
     try:
-        return load_ipex_graph(path)
+        return load_ipex_graphs(path)
     except RuntimeError as exc:
         raise ValueError(f"{path} is not a loadable TorchScript graph (truncated or corrupted?); "
                          f"{_reexport_hint(meta)}") from exc

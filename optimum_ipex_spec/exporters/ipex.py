@@ -1,15 +1,28 @@
-"""Export a transformers causal LM to IPEX: fused kernels + fused KV cache, traced and frozen.
+"""Export a transformers causal LM to IPEX: fused kernels + fused KV cache, traced once per path.
 
-The export is ``ipex.llm.optimize(model, dtype, deployment_mode=True)``, which swaps the attention,
-MLP, RMSNorm and RoPE modules for IPEX's fused ones and TorchScript-traces + freezes the forward.
-We keep only the frozen graph (``torch.jit.ScriptModule``); weights live inside it as constants.
+``ipex.llm.optimize(model, dtype, deployment_mode=False)`` swaps the attention, MLP, RMSNorm and RoPE modules
+for IPEX's fused ones and prepacks the linear weights (oneDNN in fp32, TPP blocks in bf16). We then trace the
+optimized module twice with ``torch.jit.trace`` and do not freeze either trace:
 
-Graph signature (keyword arguments, as traced by IPEX):
+* ``decode``: IPEX's own attention; exact for prefill and for one token on a cache;
+* ``verify``: the same module traced with :func:`exact_chunk_attention`; exact for a chunk of tokens on a
+  non-empty cache (speculative decoding's verification step).
+
+Both traces read the same parameters and prepacked-weight contexts, so the weights are held once (issue 14).
+IPEX's own ``deployment_mode=True`` freezes its trace instead, and a frozen graph builds a second prepacked copy
+of every linear weight on its first run that it keeps (2x the weights in fp32 and bf16, 4x with the default fp32
+kernel; ``benchmarks/ipex_weight_copies.py``), and two frozen graphs cannot share it. The two things freezing
+gave at run time are done here by :func:`_simplify_for_inference`.
+
+Graph signature (keyword arguments):
     input_ids       int64 ``[batch, q]``
     attention_mask  int64 ``[batch, past + q]``
     past_key_values IPEX fused cache tuple (see :mod:`optimum_ipex_spec.cache`)
     position_ids    int64 ``[batch, q]``
 returns ``(logits [batch, q, vocab] in the model dtype, new past_key_values tuple)``.
+
+Saved as one TorchScript archive holding both traces (:func:`save_ipex_graphs`); TorchScript's serializer writes a
+tensor or prepacked context that both traces share once, and loading restores the sharing.
 """
 
 from __future__ import annotations
@@ -22,8 +35,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-from ..utils.import_utils import ipex_status
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -85,24 +96,166 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
             f"(supported: {', '.join(IPEX_FUSED_ARCHITECTURES)})"
         )
     model.eval()
+    _untie_output_head(model)
     with _quiet_export(), torch.no_grad():
-        optimized = ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=True)
-    wrapper = getattr(optimized, "trace_graph", None)
-    if wrapper is None:
-        raise RuntimeError(
-            "ipex.llm.optimize did not produce a traced graph for this model "
-            f"(IPEX {ipex_status().ipex_version}); use backend='torch'"
-        )
-    decode_graph = wrapper.optimized_model
-    del optimized.trace_graph  # a ScriptModule attribute would stop the second trace
+        optimized = ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=False)
+    _share_rotary_tables(optimized)
+    _drop_unused_linear_weights(optimized)
+    _plain_parameters(optimized)
+    _copy_out_of_checkpoint_files(optimized)
     with _quiet_export():
-        verify_graph = trace_verify_graph(optimized, decode_graph, dtype)
+        decode_graph, verify_graph = trace_graphs(optimized, dtype)
+    for graph in (decode_graph, verify_graph):
+        _simplify_for_inference(graph)
     return IPEXGraphs(decode=decode_graph, verify=verify_graph)
+
+
+def _untie_output_head(model: torch.nn.Module) -> None:
+    """Give a tied output head its own weight before IPEX sees it.
+
+    ``ipex.llm.optimize`` leaves a head tied to the input embedding as a plain ``nn.Linear``; in an unfrozen bf16
+    trace IPEX's graph pass then prepacks that weight again on every forward (40 ms per token for SmolLM2's
+    49152 x 576 head). Untied, the head is prepacked once like every other linear layer. Cost: one more
+    ``vocab x hidden`` matrix (the embedding keeps the plain one it gathers rows from).
+    """
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embeddings is None or head.weight is not embeddings.weight:
+        return
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    text_config = model.config.get_text_config()
+    if text_config is not model.config:
+        text_config.tie_word_embeddings = False
+
+
+def _share_rotary_tables(optimized: torch.nn.Module) -> None:
+    """Point every layer at one rotary-embedding table.
+
+    IPEX builds a ``RotaryEmbedding`` per decoder layer, each with four ``[max_position_embeddings, head_dim]``
+    fp32 tables computed from the same config: 240 MB for SmolLM2's 30 layers, 1.8 GB for Qwen2.5's 28 layers
+    of 32k positions. The tables are read-only in the fused path (only grown by LongRoPE models, which we do
+    not export), so one instance serves all layers.
+    """
+    shared = None
+    for module in optimized.modules():
+        rotary = getattr(module, "embed_positions", None)
+        if rotary is None or not isinstance(rotary, torch.nn.Module) or not hasattr(rotary, "sin_cos"):
+            continue
+        if shared is None:
+            shared = rotary
+        elif _same_rotary(rotary, shared):
+            module.embed_positions = shared
+
+
+def _same_rotary(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return a.sin_cos.shape == b.sin_cos.shape and torch.equal(a.sin_cos, b.sin_cos)
+
+
+def _drop_unused_linear_weights(optimized: torch.nn.Module) -> None:
+    """Empty the ``weight`` parameter of IPEX's oneDNN linear layers: in inference they compute from their
+    prepacked context (``ctx``) and pass an empty tensor for the weight, and the parameter would be written to a
+    saved export beside the context's own copy."""
+    for module in optimized.modules():
+        if getattr(module, "use_dnnl", False) and hasattr(module, "ctx") and not module.training:
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.numel():
+                weight.data = torch.empty(0, dtype=weight.dtype)
+
+
+def _plain_parameters(optimized: torch.nn.Module) -> None:
+    """Replace IPEX's ``BlockedParameter`` (a Python subclass holding a TPP-blocked bf16 weight) by a plain
+    ``Parameter`` over the same storage. An unfrozen graph reads its parameters at run time, and an op on a Python
+    tensor subclass goes through Python dispatch; that call fails with an empty ``RuntimeError`` once another
+    model has been exported in the process (IPEX 2.8). The kernels only read the data."""
+    for module in optimized.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and type(param) is not torch.nn.Parameter:
+                module._parameters[name] = torch.nn.Parameter(param.data, requires_grad=False)
+
+
+def _file_mappings() -> list:
+    """Address ranges of the checkpoint files this process has memory-mapped (Linux; empty elsewhere)."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].endswith((".safetensors", ".bin", ".pt")):
+                    low, high = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((low, high))
+    except OSError:
+        pass
+    return ranges
+
+
+def _copy_out_of_checkpoint_files(optimized: torch.nn.Module) -> None:
+    """Copy the tensors that still point into the memory-mapped checkpoint (embedding, norms, biases) into
+    memory of their own, so the mapping, and the pages IPEX read from it while prepacking, can be released."""
+    ranges = _file_mappings()
+    if not ranges:
+        return
+    for module in optimized.modules():
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if tensor is None or not tensor.numel():
+                    continue
+                address = tensor.untyped_storage().data_ptr()
+                if any(low <= address < high for low, high in ranges):
+                    tensor.data = tensor.data.clone()
+
+
+def _simplify_for_inference(graph: torch.jit.ScriptModule) -> None:
+    """Remove per-call work that freezing would have folded away, in every method of every submodule.
+
+    * ``aten::detach`` of weights (IPEX's TPP linear detaches its blocked weight on every call: 9 ms per token for
+      SmolLM2 in bf16): a no-op for inference, which runs without autograd.
+    * ``torch_ipex::choose_tpp_linear_weight(x, weight, None)``: a Python-implemented op that returns ``weight``
+      when no large-batch weight exists.
+    * ``myops::longrope(..., seq_len, rope_type=0)``: a Python-implemented op, called in every layer on every
+      forward, that returns its rotary tables unchanged unless ``seq_len`` exceeds them (positions past
+      ``max_position_embeddings`` are refused before the graph runs) or the model uses LongRoPE/Falcon tables
+      (``rope_type`` 1 and 2: not on our fused path).
+
+    Python-implemented ops also fail in the TorchScript interpreter once another export in the process has run
+    (an empty ``RuntimeError``), so removing them is needed for correctness, not only for speed.
+    """
+    for module in graph.modules():
+        for name in module._c._method_names():
+            method_graph = module._c._get_method(name).graph
+            for node in method_graph.findAllNodes("aten::detach"):
+                node.output().replaceAllUsesWith(node.inputsAt(0))
+                node.destroy()
+            for node in method_graph.findAllNodes("torch_ipex::choose_tpp_linear_weight"):
+                if node.inputsAt(2).type().kind() != "NoneType":
+                    continue
+                node.output().replaceAllUsesWith(node.inputsAt(1))
+                node.destroy()
+            for node in method_graph.findAllNodes("myops::longrope"):
+                if _constant_int(node.inputsAt(10)) != 0:
+                    continue
+                results = node.outputs()
+                for result, source in zip(results, (1, 3, 4, 5)):
+                    result.replaceAllUsesWith(node.inputsAt(source))
+                node.destroy()
+
+
+def _constant_int(value) -> Optional[int]:
+    """The integer a graph value holds when it is built from a constant (``torch.tensor(0)``, ``.contiguous()``),
+    else None."""
+    node = value.node()
+    while node.kind() in ("aten::contiguous", "aten::tensor", "aten::detach", "aten::to"):
+        node = node.inputsAt(0).node()
+    if node.kind() != "prim::Constant":
+        return None
+    constant = node.output().toIValue()
+    if isinstance(constant, torch.Tensor) and constant.numel() == 1:
+        constant = constant.item()
+    return constant if isinstance(constant, int) else None
 
 
 @dataclass
 class IPEXGraphs:
-    """The two frozen graphs of an export (same signature, shared weights).
+    """The two traced graphs of an export (same signature, one copy of the weights).
 
     decode: IPEX's own trace. Exact for prefill (empty cache) and for one new token on a cache.
     verify: the same model traced with :func:`exact_chunk_attention`; exact for several new tokens
@@ -175,36 +328,68 @@ def exact_chunk_attention(
     return out, None, present
 
 
-def trace_verify_graph(optimized: torch.nn.Module, decode_graph, dtype: torch.dtype) -> torch.jit.ScriptModule:
-    """Trace ``optimized`` (the module ``ipex.llm.optimize`` converted) a second time with
-    :func:`exact_chunk_attention`, on a 4-token chunk over an 8-token cache, and freeze it."""
+def trace_graphs(optimized: torch.nn.Module, dtype: torch.dtype):
+    """Trace ``optimized`` (the module ``ipex.llm.optimize`` converted) twice, unfrozen: on an 8-token prompt
+    (decode graph) and, with :func:`exact_chunk_attention`, on a 4-token chunk over that prompt's cache (verify
+    graph). Returns ``(decode, verify)``; both share ``optimized``'s parameters."""
     from ..cache import IPEXFusedCache
     from ..patching import exact_chunk_attention_patch
 
     num_layers = optimized.config.num_hidden_layers
-    with torch.no_grad():
-        cache = IPEXFusedCache(num_layers, 1, dtype)
-        prompt = torch.ones(1, 8, dtype=torch.long)
-        _, layers = decode_graph(
-            input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache.ipex_layers,
-            position_ids=torch.arange(8).unsqueeze(0),
-        )
-        example = {
-            "input_ids": torch.ones(1, 4, dtype=torch.long),
-            "attention_mask": torch.ones(1, 12, dtype=torch.long),
-            "past_key_values": layers,
-            "position_ids": torch.arange(8, 12).unsqueeze(0),
+    prompt = torch.ones(1, 8, dtype=torch.long)
+
+    def prefill_inputs():
+        return {
+            "input_ids": prompt, "attention_mask": torch.ones_like(prompt),
+            "past_key_values": IPEXFusedCache(num_layers, 1, dtype).ipex_layers,
+            "position_ids": torch.arange(8).unsqueeze(0),
         }
-        saved_return_dict = optimized.config.return_dict
-        optimized.config.return_dict = False  # IPEX's output hook would build a ModelOutput
-        try:
-            with exact_chunk_attention_patch(classmethod(exact_chunk_attention)), torch.autocast(
-                "cpu", enabled=dtype == torch.bfloat16, dtype=torch.bfloat16
-            ):
-                traced = torch.jit.trace(optimized, example_kwarg_inputs=example, strict=False, check_trace=False)
-                return torch.jit.freeze(traced)
-        finally:
-            optimized.config.return_dict = saved_return_dict
+
+    saved_return_dict = optimized.config.return_dict
+    optimized.config.return_dict = False  # IPEX's output hook would build a ModelOutput
+    try:
+        with torch.no_grad():
+            _, layers = optimized(**prefill_inputs())
+            chunk = {
+                "input_ids": torch.ones(1, 4, dtype=torch.long),
+                "attention_mask": torch.ones(1, 12, dtype=torch.long),
+                "past_key_values": layers,
+                "position_ids": torch.arange(8, 12).unsqueeze(0),
+            }
+            decode = torch.jit.trace(optimized, example_kwarg_inputs=prefill_inputs(), strict=False,
+                                     check_trace=False)
+            with exact_chunk_attention_patch(classmethod(exact_chunk_attention)):
+                verify = torch.jit.trace(optimized, example_kwarg_inputs=chunk, strict=False, check_trace=False)
+    finally:
+        optimized.config.return_dict = saved_return_dict
+    return decode.eval(), verify.eval()
+
+
+class _GraphPair(torch.nn.Module):
+    """The container :func:`save_ipex_graphs` writes: the two traces as submodules ``decode`` and ``verify``."""
+
+    def __init__(self, decode, verify):
+        super().__init__()
+        self.decode = decode
+        self.verify = verify
+
+
+def save_ipex_graphs(graphs: "IPEXGraphs", path: str) -> None:
+    """Write both traces into one TorchScript archive; tensors and prepacked contexts they share are written
+    once."""
+    torch.jit.save(torch.jit.script(_GraphPair(graphs.decode, graphs.verify)), path)
+
+
+def load_ipex_graphs(path: str) -> "IPEXGraphs":
+    """Load an archive written by :func:`save_ipex_graphs`, or a single decode graph (export format 1).
+
+    Raises:
+        RuntimeError: not a TorchScript archive (from ``torch.jit.load``).
+    """
+    graph = load_ipex_graph(path)
+    if graph._c.hasattr("decode") and graph._c.hasattr("verify"):
+        return IPEXGraphs(decode=graph.decode, verify=graph.verify)
+    return IPEXGraphs(decode=graph, verify=None)
 
 
 def load_ipex_graph(path: str) -> torch.jit.ScriptModule:
