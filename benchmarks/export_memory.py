@@ -5,10 +5,14 @@ process would blur), one thread. Reported in GB:
 
 * ``weights``: bytes of the parameters in the requested dtype (embedding and a tied head counted once);
 * ``load``: RSS after loading (stock ``from_pretrained``; ours ``from_pretrained(export=True)``) minus RSS
-  after the imports; ``private``: the same for private memory (Private_Clean + Private_Dirty of
+  after the imports (IPEX's included, for ours); ``private``: the same for private memory (Private_Clean + Private_Dirty of
   ``/proc/self/smaps_rollup``: what is not a shared, file-backed page such as a memory-mapped safetensors file);
 * ``steady``: RSS minus the imports' after 32 greedy tokens; ``peak``: the process's peak RSS (VmHWM) minus the
   imports' RSS; ``seconds``: the load (or export) time.
+
+Kinds: ``stock`` (transformers ``from_pretrained``), ``ours`` (``from_pretrained(export=True)``), ``saved`` (our
+``from_pretrained`` of a folder ``save_pretrained`` wrote, in a process of its own before; the saving process is
+not measured).
 
 Usage (in a lane's environment; model names as everywhere)::
 
@@ -23,6 +27,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 
 GB = 1 << 30
@@ -44,7 +49,19 @@ def _memory() -> dict:
     return {"rss": fields["VmRSS"], "peak": fields["VmHWM"], "private": private}
 
 
-def _measure(model_name: str, dtype_name: str, kind: str) -> dict:
+def _save(model_name: str, dtype_name: str, folder: str) -> None:
+    """Export and save (the ``saved`` kind's folder), in a process of its own."""
+    import torch
+
+    from optimum_ipex_spec import IPEXModelForCausalLM
+    from optimum_ipex_spec.provision import resolve_model
+
+    torch.set_num_threads(1)
+    IPEXModelForCausalLM.from_pretrained(resolve_model(model_name), export=True,
+                                         torch_dtype=getattr(torch, dtype_name)).save_pretrained(folder)
+
+
+def _measure(model_name: str, dtype_name: str, kind: str, folder: str = "") -> dict:
     """One configuration, in this process: load, 32 greedy tokens, memory at each step."""
     import gc
 
@@ -57,6 +74,11 @@ def _measure(model_name: str, dtype_name: str, kind: str) -> dict:
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
     path = resolve_model(model_name)
+    if kind != "stock":
+        # IPEX's libraries (~0.3 GB RSS) are a cost of the process, not of the model: imported before the baseline
+        from optimum_ipex_spec.utils.import_utils import ipex_status
+
+        ipex_status()
     gc.collect()
     base = _memory()
     start = time.perf_counter()
@@ -64,7 +86,10 @@ def _measure(model_name: str, dtype_name: str, kind: str) -> dict:
         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype).eval()
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     else:
-        model = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=dtype)
+        if kind == "saved":
+            model = IPEXModelForCausalLM.from_pretrained(folder)
+        else:
+            model = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=dtype)
         with torch.device("meta"):
             shape = AutoModelForCausalLM.from_config(model.config, torch_dtype=dtype)
         weights = {id(p): p.numel() * p.element_size() for p in shape.parameters()}  # tied: one parameter
@@ -91,18 +116,28 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="provisioned name, folder or hub id")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--kinds", nargs="+", default=["stock", "ours"], choices=["stock", "ours"])
-    parser.add_argument("--one", nargs=3, metavar=("MODEL", "DTYPE", "KIND"), help=argparse.SUPPRESS)
+    parser.add_argument("--kinds", nargs="+", default=["stock", "ours", "saved"], choices=["stock", "ours", "saved"])
+    parser.add_argument("--one", nargs=4, metavar=("MODEL", "DTYPE", "KIND", "FOLDER"), help=argparse.SUPPRESS)
+    parser.add_argument("--save", nargs=3, metavar=("MODEL", "DTYPE", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:  # the child process: print one JSON line
         print(json.dumps(_measure(*args.one)))
+        return 0
+    if args.save:
+        _save(*args.save)
         return 0
     print("| model | dtype | kind | backend | weights GB | load GB | private GB | steady GB | peak GB | seconds |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in args.dtype:
         for kind in args.kinds:
-            proc = subprocess.run([sys.executable, __file__, "--one", args.model, dtype, kind],
-                                  capture_output=True, text=True)
+            with tempfile.TemporaryDirectory(prefix="export-memory-") as folder:
+                proc = None
+                if kind == "saved":
+                    proc = subprocess.run([sys.executable, __file__, "--save", args.model, dtype, folder],
+                                          capture_output=True, text=True)
+                if proc is None or proc.returncode == 0:
+                    proc = subprocess.run([sys.executable, __file__, "--one", args.model, dtype, kind, folder],
+                                          capture_output=True, text=True)
             if proc.returncode != 0:
                 print(f"| {args.model} | {dtype} | {kind} | failed: {proc.stderr.strip().splitlines()[-1]} |")
                 continue

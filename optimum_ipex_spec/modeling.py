@@ -1,6 +1,6 @@
 """``IPEXModelForCausalLM``: a transformers-compatible causal LM running IPEX's fused, traced graph.
 
-Data flow: :mod:`.exporters.ipex` turns a transformers model into a frozen TorchScript graph with
+Data flow: :mod:`.exporters.ipex` turns a transformers model into traced TorchScript graphs with
 IPEX's fused kernels; this module wraps the graph (or, without IPEX, the eager model) in an
 optimum ``OptimizedModel`` that is also a transformers ``GenerationMixin``, so ``generate()``,
 streamers, stopping criteria and ``pipeline("text-generation")`` work as with transformers.

@@ -116,16 +116,13 @@ def _untie_output_head(model: torch.nn.Module) -> None:
     ``ipex.llm.optimize`` leaves a head tied to the input embedding as a plain ``nn.Linear``; in an unfrozen bf16
     trace IPEX's graph pass then prepacks that weight again on every forward (40 ms per token for SmolLM2's
     49152 x 576 head). Untied, the head is prepacked once like every other linear layer. Cost: one more
-    ``vocab x hidden`` matrix (the embedding keeps the plain one it gathers rows from).
+    ``vocab x hidden`` matrix (the embedding keeps the plain one it gathers rows from). The config keeps
+    ``tie_word_embeddings``: it describes the checkpoint, and the export is never tied again.
     """
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or embeddings is None or head.weight is not embeddings.weight:
         return
     head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-    model.config.tie_word_embeddings = False
-    text_config = model.config.get_text_config()
-    if text_config is not model.config:
-        text_config.tie_word_embeddings = False
 
 
 def _share_rotary_tables(optimized: torch.nn.Module) -> None:
