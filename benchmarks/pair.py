@@ -1,0 +1,181 @@
+"""`make bench-pair`: a real target with a small draft of its family (issue 14): Qwen2.5-Coder-1.5B + 0.5B.
+
+For each target dtype, one process holds stock transformers' target, our export of it and our export of the
+draft; every round runs each prompt through, interleaved: stock alone, ours alone, ours with the draft
+(``generate(assistant_model=draft)``, greedy, a constant ``k`` draft tokens per round). Per prompt, the median over
+rounds of decode tokens/s (tokens after the first / time from the first to the last token) and time to first token;
+ratios per prompt, then the median over prompts. Greedy output is compared token by token with ours alone (and
+stock's, in fp32). Memory: the process's RSS after loading everything, and its peak (VmHWM).
+
+Needs ``make provision-qwen``. Usage::
+
+    python benchmarks/pair.py --out docs/benchmarks-qwen-pair.md --json docs/benchmarks-qwen-pair.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+GB = 1 << 30
+
+
+def _rss() -> dict:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024 / GB
+    return fields
+
+
+def run_target_dtype(args, dtype_name, prompts, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from optimum_ipex_spec import IPEXModelForCausalLM
+    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.utils.timing import timed_generate
+
+    dtype = getattr(torch, dtype_name)
+    draft_dtype = getattr(torch, args.draft_dtype or dtype_name)
+    target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
+    start = time.perf_counter()
+    ours = IPEXModelForCausalLM.from_pretrained(target_path, export=True, torch_dtype=dtype)
+    export_s = time.perf_counter() - start
+    draft = IPEXModelForCausalLM.from_pretrained(draft_path, export=True, torch_dtype=draft_dtype)
+    draft.generation_config.num_assistant_tokens = args.k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    gc.collect()
+    ours_memory = _rss()
+    stock = AutoModelForCausalLM.from_pretrained(target_path, torch_dtype=dtype).eval() if not args.no_stock else None
+    configs = [("stock alone", stock, {}), ("ours alone", ours, {}), (f"ours + draft, k={args.k}", ours,
+                                                                      {"assistant_model": draft})]
+    configs = [c for c in configs if c[1] is not None]
+    gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
+    samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
+    identical = {name: True for name, _, _ in configs}
+    accepted = proposed = 0
+    for _ in range(args.rounds):
+        for i, prompt in enumerate(prompts):
+            inputs = tokenizer(prompt, return_tensors="pt")
+            outputs = {}
+            for name, model, extra in configs:
+                draft.last_speculation_stats = None
+                outputs[name], timing = timed_generate(model, inputs, **gen, **extra)
+                samples[name][i].append(timing)
+                stats = draft.last_speculation_stats if extra else None
+                if stats is not None:
+                    accepted, proposed = accepted + stats.accepted, proposed + stats.proposed
+                print(f"  {dtype_name} prompt {i} {name}: {timing.decode_tokens_per_s:.2f} tok/s", file=sys.stderr,
+                      flush=True)
+            for name in outputs:
+                identical[name] &= torch.equal(outputs[name], outputs["ours alone"])
+    rate = {name: [statistics.median(t.decode_tokens_per_s for t in samples[name][i]) for i in range(len(prompts))]
+            for name in samples}
+    rows = []
+    for name, _, _ in configs:
+        rows.append({
+            "config": name,
+            "median_decode_tok_s": statistics.median(rate[name]),
+            "ratio_vs_ours_alone": statistics.median(r / a for r, a in zip(rate[name], rate["ours alone"])),
+            "ratio_vs_stock": (statistics.median(r / s for r, s in zip(rate[name], rate["stock alone"]))
+                               if "stock alone" in rate else None),
+            "worst_ratio_vs_ours_alone": min(r / a for r, a in zip(rate[name], rate["ours alone"])),
+            "median_ttft_s": statistics.median(t.ttft_s for i in samples[name] for t in samples[name][i]),
+            "identical_to_ours_alone": identical[name],
+        })
+    weight_bytes = sum(p.numel() * p.element_size() for p in stock.parameters()) if stock is not None else None
+    result = {
+        "target_dtype": dtype_name, "draft_dtype": str(draft_dtype).replace("torch.", ""), "k": args.k,
+        "export_s": export_s, "rss_ours_gb": ours_memory["VmRSS"], "rows": rows,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "target_weight_gb": weight_bytes / GB if weight_bytes else None,
+    }
+    del stock, ours, draft, configs
+    gc.collect()
+    return result
+
+
+def render(result) -> str:
+    lines = [
+        "# Benchmarks: Qwen2.5-Coder-1.5B target + 0.5B draft",
+        "",
+        f"Generated by `{result['command']}` on {result['date']}: {result['threads']} thread(s), "
+        f"{result['new_tokens']} new tokens, greedy, {result['prompt_count']} real prompts (HumanEval code and "
+        f"chatterbot questions, chat template), {result['rounds']} rounds interleaved in one process; medians. "
+        f"torch {result['torch']}, transformers {result['transformers']}, IPEX {result['ipex']}.",
+        "",
+        "| target | draft | configuration | decode tok/s | vs ours alone (worst prompt) | vs stock | TTFT s | output |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in result["runs"]:
+        for row in run["rows"]:
+            vs_stock = f"x{row['ratio_vs_stock']:.2f}" if row["ratio_vs_stock"] else "-"
+            lines.append(
+                f"| {run['target_dtype']} | {run['draft_dtype'] if 'draft' in row['config'] else '-'} | "
+                f"{row['config']} | {row['median_decode_tok_s']:.2f} | x{row['ratio_vs_ours_alone']:.2f} "
+                f"(x{row['worst_ratio_vs_ours_alone']:.2f}) | {vs_stock} | {row['median_ttft_s']:.2f} | "
+                f"{'identical' if row['identical_to_ours_alone'] else 'DIFFERENT'} |")
+    lines += ["", "| target dtype | export s (target) | acceptance rate | process RSS after loading ours (target + draft) GB |",
+              "|---|---|---|---|"]
+    for run in result["runs"]:
+        acceptance = f"{run['acceptance_rate']:.1%}" if run["acceptance_rate"] is not None else "-"
+        lines.append(f"| {run['target_dtype']} | {run['export_s']:.0f} | {acceptance} | {run['rss_ours_gb']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="target dtypes")
+    parser.add_argument("--draft-dtype", default=None, help="default: the target's dtype")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per round (constant schedule)")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-stock", action="store_true", help="skip stock transformers (saves its memory)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    from optimum_ipex_spec.prompts import chat_prompts
+    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.utils.import_utils import ipex_status
+
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.target))
+    prompts = chat_prompts(tokenizer, n=args.prompts)
+    status = ipex_status()
+    result = {
+        "command": " ".join(["python benchmarks/pair.py"] + (argv or sys.argv[1:])),
+        "date": datetime.date.today().isoformat(), "threads": args.threads, "new_tokens": args.new_tokens,
+        "rounds": args.rounds, "prompt_count": len(prompts), "torch": torch.__version__,
+        "transformers": transformers.__version__, "ipex": status.ipex_version if status.available else None,
+        "runs": [run_target_dtype(args, d, prompts, tokenizer) for d in args.dtypes.split(",")],
+    }
+    report = render(result)
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
