@@ -68,7 +68,7 @@ def _quiet_export():
 
 
 def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
-    """Optimize ``model`` in place with IPEX and return its frozen TorchScript graphs.
+    """Optimize ``model`` in place with IPEX and return its two traced TorchScript graphs (one copy of the weights).
 
     Args:
         model: a transformers ``*ForCausalLM`` in eval mode, weights in ``dtype``, with
