@@ -96,3 +96,12 @@ def test_old_format_folder_with_two_graph_files_still_loads(ipex_available, tiny
     assert loaded.verify_model is not None
     assert torch.equal(loaded.generate(**inputs, max_new_tokens=8, do_sample=False), expected)
     assert isinstance(load_ipex_graphs(str(tmp_path / "ipex_model.pt")), IPEXGraphs)
+
+
+def test_model_ipex_leaves_unconverted_is_a_clear_error(ipex_available, monkeypatch):
+    """ipex.llm.optimize returns the model unchanged (with a log line) when it cannot convert it."""
+    import intel_extension_for_pytorch as ipex
+
+    monkeypatch.setattr(ipex.llm, "optimize", lambda model, **kwargs: model)
+    with pytest.raises(RuntimeError, match=r"did not convert this Qwen2ForCausalLM.*backend='torch'"):
+        export_to_ipex(build_tiny("qwen2").eval(), torch.float32)

@@ -82,6 +82,7 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
     Raises:
         ValueError: unsupported dtype or architecture.
         IPEXNotAvailableError: IPEX cannot be imported.
+        RuntimeError: ``ipex.llm.optimize`` left the model unconverted (it falls back silently).
     """
     from ..patching import shared_rotary_tables_patch
     from ..utils.import_utils import require_ipex
@@ -100,6 +101,12 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
     _untie_output_head(model)
     with _quiet_export(), torch.no_grad(), shared_rotary_tables_patch():
         optimized = ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=False)
+    if not any(type(m).__module__.startswith("intel_extension_for_pytorch") for m in optimized.modules()):
+        # ipex.llm.optimize logs and returns the model unchanged when it cannot convert it
+        raise RuntimeError(
+            f"ipex.llm.optimize did not convert this {type(model).__name__} (IPEX {ipex.__version__}); "
+            "export it with backend='torch'"
+        )
     _drop_unused_linear_weights(optimized)
     _plain_parameters(optimized)
     _copy_out_of_checkpoint_files(optimized)
