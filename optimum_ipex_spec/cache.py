@@ -20,6 +20,8 @@ from typing import Optional, Tuple
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .compat import crop_keep_length
+
 #: Rows IPEX preallocates for keys/values on the first forward (IPEX 2.7/2.8, CPU).
 IPEX_PREALLOCATED_POSITIONS = 2048
 
@@ -79,15 +81,14 @@ class IPEXFusedCache(DynamicCache):
         return None
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens (a negative value drops ``-max_length`` tokens).
+        """Keep the first ``max_length`` tokens (a negative value drops ``-max_length`` tokens; ``crop(0)`` as
+        :func:`~optimum_ipex_spec.compat.crop_keep_length` says, the same for both our caches).
 
         Raises:
             ValueError: if the result would be negative.
         """
         current = self.get_seq_length()
-        keep = current + max_length if max_length < 0 else max_length
-        if keep < 0:
-            raise ValueError(f"cannot crop a cache of {current} tokens by {max_length}")
+        keep = crop_keep_length(current, max_length)
         if keep >= current:
             return
         info = torch.empty(1, keep, keep, 1, dtype=torch.long)

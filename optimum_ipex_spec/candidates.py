@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
-from .utils.import_utils import transformers_major
+from .compat import zero_proposals_add_nothing
 
 
 
@@ -218,7 +218,7 @@ class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):
 
 #: transformers 4.x's assisted decoding adds no token in a round whose candidate (even with zero proposals) already
 #: meets a stopping criterion; 5.x adds the target's own token.
-_ZERO_PROPOSALS_ADD_NOTHING = transformers_major() < 5
+_ZERO_PROPOSALS_ADD_NOTHING = zero_proposals_add_nothing()
 
 
 def _stopping_point(criteria, ids: torch.LongTensor) -> bool:

@@ -30,7 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Sequence
 
-MIN_IPEX_FOR_ASSISTED = "2.4"
+from .facts import MIN_IPEX_FOR_ASSISTED
 _INHERITED = object()
 
 
@@ -125,11 +125,11 @@ def required_crop_hooks(transformers_version: str, cache_cls: type) -> List[Patc
     """
     from transformers.cache_utils import DynamicCache
 
-    from .utils.import_utils import parse_version
+    from .compat import needs_module_crop_hook
 
     if issubclass(cache_cls, DynamicCache) and hasattr(cache_cls, "crop"):
         return []
-    if parse_version(transformers_version) < parse_version("4.54"):
+    if needs_module_crop_hook(transformers_version):
         return _module_crop_hooks(cache_cls)
     return []
 
@@ -158,9 +158,9 @@ def _module_crop_hooks(cache_cls: type) -> List[Patch]:
 
 def check_ipex_version_for_assisted(ipex_version: str) -> None:
     """Raise :class:`UnsupportedIPEXVersionError` for IPEX older than 2.4."""
-    from .utils.import_utils import parse_version
+    from .compat import ipex_older_than
 
-    if parse_version(ipex_version) < parse_version(MIN_IPEX_FOR_ASSISTED):
+    if ipex_older_than(ipex_version, MIN_IPEX_FOR_ASSISTED):
         raise UnsupportedIPEXVersionError(
             f"assisted generation with an IPEX model needs intel-extension-for-pytorch >= {MIN_IPEX_FOR_ASSISTED} "
             f"(installed: {ipex_version}); upgrade it together with torch, e.g. "

@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Callable, Dict, Optional
 
 from .utils.fs import staged_directory
-from .utils.import_utils import transformers_major
+from .compat import reads_gemma3_gguf
+from .facts import MODEL_ALIASES
 
 PROVENANCE_NAME = "provenance.json"
 CACHE_ENV = "OPTIMUM_IPEX_SPEC_CACHE"
@@ -303,7 +304,7 @@ def _load_gguf_model(gguf_path: Path, config):
 def _require_transformers_5_for_gemma3() -> None:
     import transformers
 
-    if transformers_major() < 5:
+    if not reads_gemma3_gguf():
         raise ProvisionError(
             f"reading Gemma 3 GGUF needs transformers >= 5 (installed: {transformers.__version__}); provision it "
             "once from a transformers 5 environment (`make provision-gemma3`, which uses the no-IPEX lane) into "
@@ -479,8 +480,7 @@ MODELS: Dict[str, ModelSpec] = {
                    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     )},
 }
-ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen-1.5b": "qwen2.5-coder-1.5b-instruct",
-           "qwen-0.5b": "qwen2.5-coder-0.5b-instruct"}
+ALIASES = MODEL_ALIASES  # facts.PROVISIONED_MODELS names the keys of MODELS (tests/test_provision.py checks)
 
 
 def _verify(out_dir: Path, spec: ModelSpec) -> bool:

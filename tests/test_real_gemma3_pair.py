@@ -8,12 +8,13 @@ import pytest
 import torch
 import transformers
 
+from optimum_ipex_spec.compat import transformers_major
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.prompts import chatterbot_questions, humaneval_prompts, news_articles
 
 pytestmark = pytest.mark.slow
 
-TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+TRANSFORMERS_MAJOR = transformers_major()
 NEW_TOKENS = 24
 
 

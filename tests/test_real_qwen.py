@@ -10,13 +10,14 @@ import pytest
 import torch
 import transformers
 
+from optimum_ipex_spec.compat import transformers_major
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.prompts import chat_prompts
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 20
-TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+TRANSFORMERS_MAJOR = transformers_major()
 
 
 @pytest.fixture(scope="module")

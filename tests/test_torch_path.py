@@ -8,11 +8,12 @@ import torch
 import transformers
 
 from conftest import build_tiny
+from optimum_ipex_spec.compat import transformers_major
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.torch_cache import PreallocatedKVCache
 from optimum_ipex_spec.torch_model import TorchCausalLMDecoder
 
-TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
+TRANSFORMERS_MAJOR = transformers_major()
 
 
 def _decoder_or_skip(model):

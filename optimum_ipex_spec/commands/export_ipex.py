@@ -10,8 +10,9 @@ from argparse import ArgumentParser
 
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
-TASKS = ("text-generation", "text-generation-with-past")
-DTYPES = ("float32", "bfloat16", "auto")
+from ..facts import BACKENDS, EXPORT_DTYPES, TASKS
+
+DTYPES = EXPORT_DTYPES + ("auto",)
 
 
 def parse_args_ipex(parser: ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def parse_args_ipex(parser: ArgumentParser) -> None:
                                "causal LM with its KV cache (IPEX's fused cache).")
     optional.add_argument("--torch_dtype", default="float32", choices=DTYPES,
                           help="Weights and compute dtype of the export (default float32).")
-    optional.add_argument("--backend", default="auto", choices=("auto", "ipex", "torch"),
+    optional.add_argument("--backend", default="auto", choices=BACKENDS,
                           help="'ipex' fails when IPEX cannot be used; 'auto' falls back to the pure-PyTorch path.")
     optional.add_argument("--with_draft", action="store_true",
                           help="Also export the model's bf16 copy (its speculative-decoding draft, "

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from ..facts import TASKS
 from ..utils.fs import looks_like_local_path, staged_directory
 
 logger = logging.getLogger("optimum_ipex_spec")
 
-TASKS = ("text-generation", "text-generation-with-past")
 #: Defaults for the max |logit difference| against the eager fp32 model. fp32: measured 7.5e-5 on
 #: SmolLM2 (logits of magnitude ~30). bf16 keeps 8 mantissa bits, so a logit near 30 is only resolved
 #: to 0.125 and 30 layers of bf16 rounding add up: measured 0.72 on SmolLM2, 0.02 on tiny models.
@@ -59,7 +59,7 @@ class ValidationReport:
 
 
 def infer_task(config) -> str:
-    from ..modeling import check_causal_lm_config
+    from ..facts import check_causal_lm_config
 
     check_causal_lm_config(config, getattr(config, "_name_or_path", "model"))
     return "text-generation-with-past"

@@ -36,11 +36,13 @@ from typing import Optional
 
 import torch
 
+from ..facts import IPEX_OPTIMIZED_MARK, LLAMA_FAMILY_ARCHITECTURES
+
 logger = logging.getLogger("optimum_ipex_spec")
 
 #: Architectures whose IPEX fused path we validate token-exact in our test suite.
 #: IPEX lists more; anything else runs on the pure-PyTorch path with a warning.
-IPEX_FUSED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+IPEX_FUSED_ARCHITECTURES = LLAMA_FAMILY_ARCHITECTURES
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -98,10 +100,11 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
             f"(supported: {', '.join(IPEX_FUSED_ARCHITECTURES)})"
         )
     model.eval()
+    setattr(model, IPEX_OPTIMIZED_MARK, True)  # from here on IPEX may modify the model, also when it fails
     _untie_output_head(model)
     with _quiet_export(), torch.no_grad(), shared_rotary_tables_patch():
         optimized = ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=False)
-    if not any(type(m).__module__.startswith("intel_extension_for_pytorch") for m in optimized.modules()):
+    if not _has_ipex_modules(optimized):
         # ipex.llm.optimize logs and returns the model unchanged when it cannot convert it
         raise RuntimeError(
             f"ipex.llm.optimize did not convert this {type(model).__name__} (IPEX {ipex.__version__}); "
@@ -116,6 +119,17 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
         _simplify_for_inference(graph)
     _return_freed_memory()
     return IPEXGraphs(decode=decode_graph, verify=verify_graph)
+
+
+def ipex_converted(model: torch.nn.Module) -> bool:
+    """True when ``ipex.llm.optimize`` rewrote ``model`` in place: IPEX swaps in its own module classes (decoder
+    layers, attention, linear); an export also marks the model it handed to IPEX (:data:`IPEX_OPTIMIZED_MARK`,
+    set before IPEX runs: a failed export leaves the model modified too)."""
+    return bool(getattr(model, IPEX_OPTIMIZED_MARK, False)) or _has_ipex_modules(model)
+
+
+def _has_ipex_modules(model: torch.nn.Module) -> bool:
+    return any(type(module).__module__.startswith("intel_extension_for_pytorch") for module in model.modules())
 
 
 def _return_freed_memory() -> None:

@@ -18,21 +18,10 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from ..compat import ipex_matches_torch, major_minor
+from ..facts import IPEX_PIP_COMMAND  # noqa: F401  (re-exported: the message of every IPEX error)
+
 logger = logging.getLogger("optimum_ipex_spec")
-
-
-@functools.lru_cache(maxsize=None)
-def transformers_major() -> int:
-    """The installed transformers' major version (4 or 5): the one place the package reads it."""
-    import transformers
-
-    return int(transformers.__version__.split(".")[0])
-
-#: The lane this package is validated on (see README, "Version lanes").
-IPEX_PIP_COMMAND = (
-    'pip install "torch==2.8.0" "intel-extension-for-pytorch==2.8.0" "transformers==4.51.3"'
-    "   # or: pip install 'optimum-ipex-spec[ipex]'"
-)
 
 
 class IPEXNotAvailableError(ImportError):
@@ -56,17 +45,6 @@ class IPEXStatus:
     reason: Optional[str]
 
 
-def _major_minor(version: str) -> tuple:
-    parts = version.split("+")[0].split(".")
-    return tuple(int(p) for p in parts[:2] if p.isdigit())
-
-
-def parse_version(version: str):
-    from packaging.version import Version
-
-    return Version(version.split("+")[0])
-
-
 @functools.lru_cache(maxsize=None)
 def ipex_status() -> IPEXStatus:
     """Probe (once per process) whether IPEX is installed, matches torch, and imports."""
@@ -79,13 +57,13 @@ def ipex_status() -> IPEXStatus:
         ipex_version = importlib.metadata.version("intel_extension_for_pytorch")
     except importlib.metadata.PackageNotFoundError:
         ipex_version = "unknown"
-    if ipex_version != "unknown" and _major_minor(ipex_version) != _major_minor(torch_version):
+    if ipex_version != "unknown" and not ipex_matches_torch(ipex_version, torch_version):
         return IPEXStatus(
             False,
             ipex_version,
             torch_version,
             f"intel_extension_for_pytorch {ipex_version} needs torch "
-            f"{'.'.join(map(str, _major_minor(ipex_version)))}.*, but torch {torch_version} is installed",
+            f"{'.'.join(map(str, major_minor(ipex_version)))}.*, but torch {torch_version} is installed",
         )
     try:
         with _captured_stderr_fd() as captured:

@@ -1,0 +1,32 @@
+"""Runners: one per runtime, behind one small interface (:class:`~optimum_ipex_spec.runners.base.Runner`),
+chosen once per model by :func:`make_runner`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..facts import LLAMA_FAMILY_ARCHITECTURES
+from ..torch_model import TorchCausalLMDecoder
+from .base import Runner
+from .eager import EagerRunner, log_eager_once
+from .ipex_graphs import IPEXGraphRunner
+from .torch_decoder import TorchDecoderRunner
+
+__all__ = ["Runner", "EagerRunner", "IPEXGraphRunner", "TorchDecoderRunner", "make_runner"]
+
+
+def make_runner(backend: str, model, config, dtype, verify_model: Optional[object] = None) -> Runner:
+    """The runner for ``model``: IPEX's graphs (``backend="ipex"``; ``model`` is the decode graph), else our
+    pure-PyTorch decoder where it supports the architecture, else transformers' forward (logged once).
+
+    Raises:
+        ValueError: ``backend`` other than "ipex" / "torch".
+    """
+    if backend == "ipex":
+        return IPEXGraphRunner(model, verify_model, config, dtype)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'ipex' or 'torch', got {backend!r}")
+    if TorchCausalLMDecoder.supports(model):
+        return TorchDecoderRunner(model, dtype)
+    log_eager_once(type(model).__name__, ", ".join(LLAMA_FAMILY_ARCHITECTURES))
+    return EagerRunner(model)

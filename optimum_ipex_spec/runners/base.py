@@ -1,0 +1,90 @@
+"""What every runner does: one runtime (IPEX graphs, our pure-PyTorch decoder, transformers' eager forward)
+behind the forward and the generation hooks of :class:`~optimum_ipex_spec.modeling.IPEXModelForCausalLM`.
+
+The model chooses its runner once, when it is built; nothing else asks which runtime it has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+class Runner:
+    """One runtime for a causal LM's forward.
+
+    Attributes:
+        backend: ``"ipex"`` or ``"torch"`` (what ``IPEXModelForCausalLM.backend`` reports).
+        supports_beam_search: whether its cache reorders beams.
+        can_draft: whether :class:`~optimum_ipex_spec.candidates.IPEXDraftCandidateGenerator` can drive it as a
+            draft (it keeps its own cache between rounds).
+        uses_transformers_cache: whether transformers' own ``DynamicCache`` is its cache (eager forward).
+    """
+
+    backend = "torch"
+    supports_beam_search = True
+    can_draft = False
+    uses_transformers_cache = False
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], cache: Any,
+                position_ids: Optional[torch.Tensor], use_cache: bool, kwargs: Dict[str, Any]) -> CausalLMOutputWithPast:
+        """Logits ``[batch, q, vocab]`` for ``input_ids`` int64 ``[batch, q]`` on top of ``cache``."""
+        raise NotImplementedError
+
+    def new_cache(self, batch_size: int, capacity: int):
+        """An empty cache of this runtime for ``batch_size`` rows (``capacity`` tokens where it preallocates)."""
+        raise NotImplementedError
+
+    def prepare_inputs_for_generation(self, input_ids, cache, attention_mask, kwargs) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def prepare_cache_for_generation(self, generation_config, model_kwargs, rows: int, transformers_args: tuple) -> None:
+        """Put this runtime's cache for ``rows`` sequences into ``model_kwargs`` (unless the user passed one or
+        ``use_cache=False``). ``transformers_args`` are transformers' own arguments, for the eager runner."""
+        raise NotImplementedError
+
+    def warmup(self) -> None:
+        """Prepare the runtime for the first user call (compile, specialize); no-op by default."""
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss: logits at position t predict labels at t+1; -100 is ignored."""
+    shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    shift_labels = labels[:, -logits.shape[1]:][:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+
+
+def mask_and_positions(attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], batch: int,
+                       past: int, q: int):
+    """Default or check ``attention_mask`` int64 ``[batch, past + q]``; derive ``position_ids`` ``[batch, q]``
+    from it when not given; return both and whether nothing is padded (one reduction per step).
+
+    Raises:
+        ValueError: ``attention_mask`` of another shape.
+    """
+    if attention_mask is None:
+        attention_mask = torch.ones(batch, past + q, dtype=torch.long)
+    elif tuple(attention_mask.shape) != (batch, past + q):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {past + q}) = "
+            "(batch, cached tokens + new tokens)"
+        )
+    unpadded = bool(attention_mask.all())
+    if position_ids is None:
+        position_ids = _position_ids(attention_mask, past, q, unpadded)
+    return attention_mask, position_ids, unpadded
+
+
+def _position_ids(attention_mask: torch.Tensor, past: int, q: int, unpadded: bool) -> torch.Tensor:
+    if unpadded:
+        return torch.arange(past, past + q, dtype=torch.long).unsqueeze(0).expand(attention_mask.shape[0], -1)
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    position_ids.masked_fill_(attention_mask == 0, 1)
+    return position_ids[:, -q:]
+
+
+def output(logits: torch.Tensor, cache: Any, use_cache: bool, loss: Optional[torch.Tensor] = None,
+           cache_field: str = "past_key_values") -> CausalLMOutputWithPast:
+    return CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field: cache if use_cache else None})

@@ -1,0 +1,187 @@
+"""The IPEX runner: the traced decode graph (IPEX's fused attention and KV cache) and the exact verify graph.
+
+Routing (field notes: IPEX's fused attention is silently wrong for a chunk of several tokens on a non-empty
+cache): prefill and one-token decode run the decode graph; a chunk of ``q > 1`` tokens on a cache of
+``past > 0`` tokens (speculative decoding's verification) runs the verify graph, traced with
+:func:`~optimum_ipex_spec.exporters.ipex.exact_chunk_attention`; without a verify graph (or for a padded
+batch) such a chunk runs one token per call: exact, slower, logged once.
+
+Inputs are checked here before they reach IPEX's kernels, which crash the process (SIGFPE/SIGSEGV/SIGABRT) or
+return NaN instead of raising on bad shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..cache import IPEXFusedCache
+from .base import Runner, causal_lm_loss, mask_and_positions, output
+
+logger = logging.getLogger("optimum_ipex_spec")
+
+#: TorchScript's profiling executor re-specializes a graph for each new input shape (2 static
+#: specializations, then dynamic ones). Speculative decoding feeds ever-changing shapes (cache length,
+#: chunk length); going dynamic at once avoids repeated re-optimization: measured on a tiny Llama,
+#: 85 ms -> 0.6 ms per decode step; on SmolLM2 the steady decode is unchanged (35-36 ms). Applied only
+#: around our graph calls and restored after each.
+GRAPH_FUSION_STRATEGY = [("DYNAMIC", 20)]
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+class IPEXGraphRunner(Runner):
+    """Runs an export's TorchScript graphs over an :class:`~optimum_ipex_spec.cache.IPEXFusedCache`.
+
+    Args:
+        decode: the decode graph (signature in :mod:`optimum_ipex_spec.exporters.ipex`).
+        verify: the exact verify graph, or None (export format 1 without its verify file).
+        config: the model's transformers config (vocabulary size, layers, ``max_position_embeddings``).
+        dtype: ``torch.float32`` or ``torch.bfloat16``.
+    """
+
+    backend = "ipex"
+    supports_beam_search = False
+    can_draft = True
+
+    def __init__(self, decode: torch.jit.ScriptModule, verify: Optional[torch.jit.ScriptModule], config, dtype):
+        self.decode = decode
+        self.verify = verify
+        self.dtype = dtype
+        text_config = config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.vocab_size = text_config.vocab_size
+        self.max_positions = getattr(text_config, "max_position_embeddings", None)
+
+    def graph_for(self, past: int, q: int, batch: int, unpadded: bool) -> Optional[torch.jit.ScriptModule]:
+        """The graph that computes a ``q``-token chunk exactly on a cache of ``past`` tokens; None when no graph
+        can (a chunk on a cache without the verify graph, or with a padded batch: run it token by token)."""
+        if past > 0 and q > 1:
+            return self.verify if (self.verify is not None and batch == 1 and unpadded) else None
+        return self.decode
+
+    def forward(self, input_ids, attention_mask, cache, position_ids, use_cache, kwargs: Dict[str, Any]):
+        """Raises:
+            TypeError: a cache that is not an ``IPEXFusedCache``; non-integer ``input_ids``.
+            ValueError: empty or non-2-D ``input_ids``, token ids outside the vocabulary, a cache of another batch
+                size or layer count, an ``attention_mask`` of the wrong length, more positions than
+                ``max_position_embeddings`` (IPEX's rotary tables end there: the logits would be NaN), or
+                ``output_attentions`` / ``output_hidden_states`` (the fused graph does not return them).
+        """
+        labels = kwargs.pop("labels", None)
+        for unsupported in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(unsupported):
+                raise ValueError(f"{unsupported}=True is not available on the IPEX backend (the fused graph does not "
+                                 "return them); load with backend='torch' to get them")
+        cache = self._checked_cache(input_ids, cache)
+        batch, q = input_ids.shape
+        past = cache.get_seq_length()
+        attention_mask, position_ids, unpadded = mask_and_positions(attention_mask, position_ids, batch, past, q)
+        graph = self.graph_for(past, q, batch, unpadded)
+        if graph is None:
+            logits = self._chunk_token_by_token(input_ids, attention_mask, position_ids, cache)
+            return output(logits, cache, use_cache)
+        previous = torch.jit.set_fusion_strategy(GRAPH_FUSION_STRATEGY)
+        try:
+            logits, layers = graph(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=cache.ipex_layers,
+                position_ids=position_ids,
+            )
+        finally:
+            torch.jit.set_fusion_strategy(previous)
+        cache.replace(layers)
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        return output(logits, cache, use_cache, loss=loss)
+
+    def new_cache(self, batch_size: int, capacity: int = 0) -> IPEXFusedCache:
+        """An empty :class:`~optimum_ipex_spec.cache.IPEXFusedCache` (IPEX grows it itself: ``capacity`` unused)."""
+        return IPEXFusedCache(self.num_layers, batch_size, self.dtype)
+
+    def prepare_inputs_for_generation(self, input_ids, cache, attention_mask, kwargs):
+        past = cache.get_seq_length() if cache is not None else 0
+        return {
+            "input_ids": input_ids[:, past:],
+            "attention_mask": attention_mask,
+            "past_key_values": cache,
+            "use_cache": kwargs.get("use_cache", True),
+        }
+
+    def prepare_cache_for_generation(self, generation_config, model_kwargs, rows, transformers_args):
+        """Raises:
+            TypeError: a user cache that is not an ``IPEXFusedCache``."""
+        user_cache = model_kwargs.get("past_key_values")
+        if user_cache is not None:
+            if not isinstance(user_cache, IPEXFusedCache):
+                raise TypeError(
+                    "past_key_values passed to generate() must be an IPEXFusedCache for the IPEX backend, "
+                    f"got {type(user_cache).__name__}"
+                )
+            return
+        if generation_config.use_cache is False:
+            return
+        model_kwargs["past_key_values"] = self.new_cache(rows)
+
+    def warmup(self, steps: int = 3) -> None:
+        """Run the graphs on a short prompt, a few decode steps and a few chunks so TorchScript's profiling
+        executor specializes them before the first user call (IPEX's one-time "JIT pass will be deprecated"
+        warning is emitted here and silenced)."""
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ids = torch.ones(1, 8, dtype=torch.long)
+            out = self.forward(ids, None, None, None, True, {})
+            for _ in range(steps):
+                self.forward(ids[:, :1], None, out.past_key_values, None, True, {})
+            if self.verify is not None:
+                # the first chunk calls of the verification graph compile its dynamic-shape fusions (~1 s)
+                for chunk in (4, 2, 5):
+                    self.forward(ids[:, :chunk], None, out.past_key_values, None, True, {})
+
+    def _checked_cache(self, input_ids, cache) -> IPEXFusedCache:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a 2-D tensor [batch, sequence]")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        batch, q = input_ids.shape
+        if batch == 0 or q == 0:
+            raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); pass at least one token")
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}) for this model; got values in [{low}, {high}]")
+        if cache is None:
+            cache = self.new_cache(batch)
+        if not isinstance(cache, IPEXFusedCache):
+            raise TypeError(f"past_key_values must be an IPEXFusedCache for the IPEX backend, got {type(cache).__name__}")
+        if cache.batch_size != batch or cache.num_layers != self.num_layers:
+            raise ValueError(
+                f"past_key_values was made for batch {cache.batch_size} and {cache.num_layers} layers; this call has "
+                f"batch {batch} and the model {self.num_layers} layers"
+            )
+        total = cache.get_seq_length() + q
+        if self.max_positions and total > self.max_positions:
+            raise ValueError(
+                f"{total} positions exceed max_position_embeddings={self.max_positions} of this model: IPEX's rotary "
+                "tables end there and would return NaN. Shorten the prompt or max_new_tokens."
+            )
+        return cache
+
+    def _chunk_token_by_token(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        _warn_once(
+            "A chunk of several tokens on a non-empty IPEX cache without the exact verify graph (or with a padded "
+            "batch) runs one token per forward: exact, but slower."
+        )
+        past = cache.get_seq_length()
+        logits = []
+        for i in range(input_ids.shape[1]):
+            step = self.forward(input_ids[:, i: i + 1], attention_mask[:, : past + i + 1], cache,
+                                position_ids[:, i: i + 1], True, {})
+            logits.append(step.logits)
+        return torch.cat(logits, dim=1)

@@ -1,0 +1,77 @@
+"""The pure-PyTorch runner: :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` over a
+:class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache`, for Llama-family architectures without IPEX.
+
+What the decoder does not serve (a transformers cache, embeddings as input, attentions / hidden states / loss
+requested) goes to transformers' forward (:class:`~optimum_ipex_spec.runners.eager.EagerRunner`).
+"""
+
+from __future__ import annotations
+
+from ..compat import cache_kwarg, prepare_cache_capacity
+from ..torch_cache import PreallocatedKVCache
+from ..torch_model import TorchCausalLMDecoder
+from .base import Runner, mask_and_positions, output
+from .eager import EagerRunner
+
+#: forward arguments only transformers' own forward serves
+_EAGER_ONLY = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states", "head_mask")
+
+
+class TorchDecoderRunner(Runner):
+    """Our decoder for plain forwards on its own cache; transformers' forward for the rest."""
+
+    backend = "torch"
+    can_draft = True
+
+    def __init__(self, model, dtype):
+        self.decoder = TorchCausalLMDecoder(model)
+        self.eager = EagerRunner(model)
+        self.dtype = dtype
+
+    def serves(self, cache, kwargs=None) -> bool:
+        """True when the decoder (not transformers' forward) runs a call with this cache and these arguments."""
+        if cache is not None and not isinstance(cache, PreallocatedKVCache):
+            return False
+        kwargs = kwargs or {}
+        return not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _EAGER_ONLY)
+
+    def forward(self, input_ids, attention_mask, cache, position_ids, use_cache, kwargs):
+        """Raises:
+            ValueError: empty or non-2-D ``input_ids``; a non-empty cache of another batch size."""
+        if not self.serves(cache, kwargs):
+            return self.eager.forward(input_ids, attention_mask, cache, position_ids, use_cache, kwargs)
+        import torch
+
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+            raise ValueError("input_ids must be a non-empty 2-D tensor [batch, sequence]")
+        batch, q = input_ids.shape
+        if cache is None:
+            cache = self.new_cache(batch, q)
+        elif cache.batch_size != batch and cache.get_seq_length() == 0:
+            cache.resize_batch(batch)
+        elif cache.batch_size != batch:
+            raise ValueError(f"the cache holds batch {cache.batch_size}; this call has batch {batch}")
+        past = cache.get_seq_length()
+        attention_mask, position_ids, unpadded = mask_and_positions(attention_mask, position_ids, batch, past, q)
+        logits = self.decoder(input_ids, position_ids, attention_mask, cache, unpadded)
+        return output(logits, cache, use_cache, cache_field=cache_kwarg())
+
+    def new_cache(self, batch_size: int, capacity: int) -> PreallocatedKVCache:
+        return self.decoder.new_cache(batch_size, capacity, self.dtype)
+
+    def prepare_inputs_for_generation(self, input_ids, cache, attention_mask, kwargs):
+        if not self.serves(cache):
+            return self.eager.prepare_inputs_for_generation(input_ids, cache, attention_mask, kwargs)
+        past = cache.get_seq_length() if cache is not None else 0
+        return {
+            "input_ids": input_ids[:, past:],
+            "attention_mask": attention_mask,
+            cache_kwarg(): cache,
+            "use_cache": kwargs.get("use_cache", True),
+        }
+
+    def prepare_cache_for_generation(self, generation_config, model_kwargs, rows, transformers_args):
+        if model_kwargs.get(cache_kwarg()) is not None or generation_config.use_cache is False:
+            return
+        # transformers_args: (assistant_model | generation_mode, batch_size, max_cache_length, ...)
+        model_kwargs[cache_kwarg()] = self.new_cache(rows, prepare_cache_capacity(transformers_args[2:]))

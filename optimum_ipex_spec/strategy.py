@@ -1,0 +1,250 @@
+"""Which source of draft tokens a ``generate()`` call uses, and the request that carries the call's choices.
+
+transformers' ``GenerationMixin.generate`` drives assisted decoding and asks the model for a candidate generator
+(``_get_candidate_generator``) once per call. What that generator should be depends on the call's arguments:
+
+========================  ====================================================================================
+strategy                  when
+========================  ====================================================================================
+``custom``                ``generate(candidate_generator=...)``: the user's generator
+``draft``                 greedy, a draft that is one of our models with a runner that can draft, same
+                          tokenizer: :class:`~optimum_ipex_spec.candidates.IPEXDraftCandidateGenerator`
+``universal-sampling``    sampling with a draft of another tokenizer: transformers' universal speculative
+                          decoding with the draft's LM head left whole (Timor et al. 2025, transformers PR #35029)
+``prompt-lookup``         ``prompt_lookup_num_tokens=``:
+                          :class:`~optimum_ipex_spec.candidates.AdaptivePromptLookupCandidateGenerator`
+``transformers``          anything else with a draft (a transformers draft, universal greedy, early exit):
+                          transformers' own generator
+========================  ====================================================================================
+
+:func:`select_strategy` decides from plain facts (a pure function, tested by a table);
+:func:`build_candidate_generator` builds the generator. The per-call state our ``generate()`` hands to the
+hooks transformers calls back (the user's generator, a tokenizer set aside, the stopping criteria, the strategy
+chosen) lives in a :class:`GenerationRequest` held in a context variable for the duration of the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Dict, Iterator, Optional
+
+from transformers import GenerationConfig
+
+from .candidates import AdaptivePromptLookupCandidateGenerator, IPEXDraftCandidateGenerator
+from .compat import eos_token_tensor, vocabulary_translator
+
+
+class Strategy(str, Enum):
+    CUSTOM = "custom"
+    DRAFT = "draft"
+    UNIVERSAL_SAMPLING = "universal-sampling"
+    PROMPT_LOOKUP = "prompt-lookup"
+    TRANSFORMERS = "transformers"
+
+
+@dataclass
+class GenerationRequest:
+    """The state of one ``generate()`` call that transformers' callbacks (``_get_stopping_criteria``,
+    ``_get_candidate_generator``) need.
+
+    Attributes:
+        candidate_generator: the user's generator (``generate(candidate_generator=...)``), or None.
+        assistant_tokenizer: the draft's tokenizer, set aside when its vocabulary has the target's size but
+            other ids (transformers would refuse it; universal assisted generation re-encodes the text).
+        stopping_criteria: all stopping criteria of the call, once transformers built them.
+        strategy: the strategy chosen, once transformers asked for the candidate generator.
+    """
+
+    candidate_generator: Any = None
+    assistant_tokenizer: Any = None
+    stopping_criteria: Any = None
+    strategy: Optional[Strategy] = None
+
+
+_REQUEST: contextvars.ContextVar[Optional[GenerationRequest]] = contextvars.ContextVar(
+    "optimum_ipex_spec_generation_request", default=None)
+
+
+def current_request() -> Optional[GenerationRequest]:
+    """The request of the innermost ``generate()`` call of ours running in this context, or None."""
+    return _REQUEST.get()
+
+
+@contextlib.contextmanager
+def request_scope(request: GenerationRequest) -> Iterator[GenerationRequest]:
+    """Make ``request`` current for one ``generate()`` call (nested calls, e.g. a draft's, get their own)."""
+    token = _REQUEST.set(request)
+    try:
+        yield request
+    finally:
+        _REQUEST.reset(token)
+
+
+def select_strategy(*, custom: bool, has_draft: bool, draft_can_run_ours: bool, do_sample: bool,
+                    different_tokenizers: bool, prompt_lookup: bool, early_exit: bool) -> Strategy:
+    """The strategy for a call, from facts about it (see the module table). Pure.
+
+    Args:
+        custom: a user candidate generator was passed.
+        has_draft: ``assistant_model`` was passed.
+        draft_can_run_ours: the draft is one of our models whose runner can be driven as a draft.
+        do_sample: sampling (else greedy).
+        different_tokenizers: ``tokenizer=`` and ``assistant_tokenizer=`` were given (universal assisted generation).
+        prompt_lookup: ``prompt_lookup_num_tokens`` is set.
+        early_exit: ``assistant_early_exit`` is set (transformers' self-speculation through early exit).
+    """
+    if custom:
+        return Strategy.CUSTOM
+    if has_draft and draft_can_run_ours and not (do_sample or different_tokenizers or prompt_lookup or early_exit):
+        return Strategy.DRAFT
+    if has_draft and different_tokenizers and do_sample:
+        return Strategy.UNIVERSAL_SAMPLING
+    if prompt_lookup and not early_exit:
+        return Strategy.PROMPT_LOOKUP
+    return Strategy.TRANSFORMERS
+
+
+def build_candidate_generator(strategy: Strategy, target, generation_config, input_ids, inputs_tensor,
+                              logits_processor, model_kwargs, assistant_model, target_tokenizer, assistant_tokenizer,
+                              transformers_default):
+    """The candidate generator of ``strategy`` (not :data:`Strategy.CUSTOM`: the request holds that one).
+
+    Args:
+        transformers_default: a callable returning transformers' own generator for the call.
+
+    Raises:
+        ValueError: universal speculative sampling on a transformers without it (< 4.50).
+    """
+    if strategy is Strategy.DRAFT:
+        return IPEXDraftCandidateGenerator(
+            input_ids=input_ids, assistant_model=assistant_model, generation_config=generation_config,
+            model_kwargs=model_kwargs, inputs_tensor=inputs_tensor, logits_processor=logits_processor)
+    if strategy is Strategy.UNIVERSAL_SAMPLING:
+        return _universal_sampling_generator(target, generation_config, input_ids, inputs_tensor, logits_processor,
+                                             model_kwargs, assistant_model, target_tokenizer, assistant_tokenizer)
+    if strategy is Strategy.PROMPT_LOOKUP:
+        return AdaptivePromptLookupCandidateGenerator(
+            eos_token_id=eos_token_tensor(generation_config),
+            num_output_tokens=generation_config.prompt_lookup_num_tokens,
+            max_matching_ngram_size=generation_config.max_matching_ngram_size,
+            max_length=generation_config.max_length,
+            logits_processor=logits_processor,
+            vocab_size=target.config.get_text_config().vocab_size,
+        )
+    if strategy is Strategy.TRANSFORMERS:
+        return transformers_default()
+    raise ValueError(f"no generator to build for strategy {strategy!r}")
+
+
+def _universal_sampling_generator(target, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                  assistant_model, target_tokenizer, assistant_tokenizer):
+    """transformers' universal speculative decoding (sampling with different tokenizers), the draft's LM head
+    left whole (:func:`~optimum_ipex_spec.compat.vocabulary_translator`): the same proposals and probabilities."""
+    try:
+        from transformers.generation.candidate_generator import UniversalSpeculativeDecodingGenerator
+
+        translator = vocabulary_translator(target_tokenizer, assistant_tokenizer,
+                                           target.config.get_text_config().vocab_size, assistant_model)
+    except ImportError:
+        import transformers
+
+        raise ValueError(
+            "sampling (do_sample=True) with a draft of another tokenizer needs transformers >= 4.50 (universal "
+            f"speculative decoding); transformers {transformers.__version__} is installed. Use greedy decoding "
+            "(do_sample=False), a draft with the target's tokenizer, or a newer transformers."
+        ) from None
+    return UniversalSpeculativeDecodingGenerator(
+        input_ids=input_ids, assistant_model=assistant_model, generation_config=generation_config,
+        model_kwargs=model_kwargs, inputs_tensor=inputs_tensor, logits_processor=logits_processor,
+        target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer, atm_translator=translator)
+
+
+#: generate() arguments that transformers' assisted generation reads from the draft's own generation config
+DRAFT_ARGUMENTS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+#: ... and those that only universal assisted generation (draft of another tokenizer) reads, also from the draft
+UNIVERSAL_ARGUMENTS = ("assistant_lookbehind", "target_lookbehind")
+
+
+def assisted_arguments(kwargs: Dict[str, Any], candidate_generator) -> Dict[str, Any]:
+    """Check the assisted-decoding arguments of a ``generate()`` call and return those the draft's generation config
+    must carry for this call (``DRAFT_ARGUMENTS`` and ``UNIVERSAL_ARGUMENTS`` passed as keywords, which are removed
+    from ``kwargs``, or set to a non-default value in a ``generation_config=`` passed to the call).
+
+    Raises:
+        ValueError: an argument without the strategy it configures: a draft argument without ``assistant_model``
+            (or with ``candidate_generator``, which chooses its own proposals), a lookbehind without ``tokenizer=``
+            and ``assistant_tokenizer=``, ``max_matching_ngram_size`` without ``prompt_lookup_num_tokens``, or
+            ``prompt_lookup_num_tokens`` together with ``assistant_model`` (transformers would silently drop the
+            draft).
+    """
+    assistant = kwargs.get("assistant_model")
+    lookup = kwargs.get("prompt_lookup_num_tokens", getattr(kwargs.get("generation_config"), "prompt_lookup_num_tokens",
+                                                            None))
+    if assistant is not None and lookup is not None:
+        raise ValueError(
+            "pass either assistant_model (a draft model) or prompt_lookup_num_tokens (prompt lookup), not both: "
+            "they are two different sources of draft tokens"
+        )
+    if kwargs.get("max_matching_ngram_size") is not None and lookup is None and candidate_generator is None:
+        raise ValueError("max_matching_ngram_size configures prompt lookup: pass prompt_lookup_num_tokens=... too")
+    if candidate_generator is not None and kwargs.get("max_matching_ngram_size") is not None:
+        raise ValueError("max_matching_ngram_size configures prompt lookup; a candidate_generator makes its own "
+                         "proposals: drop the argument")
+    passed = {name: kwargs[name] for name in DRAFT_ARGUMENTS + UNIVERSAL_ARGUMENTS if kwargs.get(name) is not None}
+    user_config = kwargs.get("generation_config")
+    if user_config is not None and assistant is not None:
+        defaults = GenerationConfig()
+        for name in DRAFT_ARGUMENTS + UNIVERSAL_ARGUMENTS:
+            configured = getattr(user_config, name, None)
+            if (name not in passed and configured is not None and configured != getattr(defaults, name, None)
+                    and configured != getattr(assistant.generation_config, name, None)):
+                passed[name] = configured
+    if not passed:
+        return {}
+    names = ", ".join(sorted(passed))
+    if candidate_generator is not None:
+        raise ValueError(f"{names} configure(s) a draft model (assistant_model=...); a candidate_generator makes its "
+                         "own proposals: drop the argument(s) or configure your generator")
+    if assistant is None:
+        source = "prompt lookup counts its proposals with prompt_lookup_num_tokens" if lookup is not None else (
+            "this call has no draft")
+        raise ValueError(f"{names} configure(s) the draft model of speculative decoding: pass assistant_model=... "
+                         f"({source})")
+    universal = [name for name in UNIVERSAL_ARGUMENTS if name in passed]
+    if universal and (kwargs.get("tokenizer") is None or kwargs.get("assistant_tokenizer") is None):
+        raise ValueError(f"{', '.join(universal)} configure(s) universal assisted generation (a draft of another "
+                         "tokenizer): pass tokenizer=... and assistant_tokenizer=... too")
+    for name in passed:
+        kwargs.pop(name, None)
+    return passed
+
+
+@contextlib.contextmanager
+def draft_generation_config(assistant, overrides: Dict[str, Any]) -> Iterator[None]:
+    """transformers reads the draft arguments from the draft's generation config: give the draft a copy carrying
+    ``overrides`` for one call (the heuristic schedule's write-back then lands in the copy too)."""
+    if not overrides:
+        yield
+        return
+    original = assistant.generation_config
+    assistant.generation_config = copy.deepcopy(original)
+    for name, value in overrides.items():
+        setattr(assistant.generation_config, name, value)
+    try:
+        yield
+    finally:
+        assistant.generation_config = original
+
+
+def same_size_different_vocabularies(target, assistant, tokenizer, assistant_tokenizer) -> bool:
+    """True when target and draft have the same vocabulary size but their tokenizers map tokens to different
+    ids: plain assisted generation would feed the draft ids it reads as other tokens (correct output, but
+    almost nothing accepted); universal assisted generation is the right strategy."""
+    if assistant is None or tokenizer is None or assistant_tokenizer is None or tokenizer is assistant_tokenizer:
+        return False
+    sizes = (target.config.get_text_config().vocab_size, assistant.config.get_text_config().vocab_size)
+    return sizes[0] == sizes[1] and tokenizer.get_vocab() != assistant_tokenizer.get_vocab()
