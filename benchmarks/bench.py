@@ -118,6 +118,8 @@ def run_assisted(path, tokenizer, prompts, args, bar):
                         {"assistant_model": draft, "_k": k, "_schedule": "constant"}))
     configs.append(("ours fp32 + bf16 self-draft, heuristic", target,
                     {"assistant_model": draft, "_k": 8, "_schedule": "heuristic"}))
+    configs.append(("ours fp32 + bf16 self-draft, cost model (default)", target,
+                    {"assistant_model": draft, "_k": 8, "_schedule": "cost"}))
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
     identical = {name: True for name, _, _ in configs}
     for _ in range(args.rounds):
@@ -132,6 +134,7 @@ def run_assisted(path, tokenizer, prompts, args, bar):
                     draft.generation_config.num_assistant_tokens_schedule = schedule
                     draft.generation_config.assistant_confidence_threshold = 0.0
                     draft.last_speculation_stats = None
+                    extra["num_assistant_tokens_schedule"] = schedule  # passed: "constant" means constant
                 out, timing = timed_generate(model, inputs, **gen, **extra)
                 stats = draft.last_speculation_stats if k is not None else None
                 reference = out if reference is None else reference

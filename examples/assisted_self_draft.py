@@ -20,7 +20,7 @@ def main():
     setup()
     target = IPEXModelForCausalLM.from_pretrained("smollm2-135m-instruct", export=True, torch_dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(target.source)
-    draft = target.self_draft()  # bf16, num_assistant_tokens=8, "heuristic" schedule
+    draft = target.self_draft()  # bf16, up to 8 tokens a round ("cost" schedule)
     print(f"target: {target!r}\ndraft:  {draft!r}\n")
     inputs = chat(tokenizer, "Explain in three sentences what a hash table is.")
     same = compare(target, inputs, tokenizer, "with bf16 draft", max_new_tokens=96,

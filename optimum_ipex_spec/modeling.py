@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache import IPEXFusedCache
 from .candidates import StoppingCriteriaAwareCandidates, stop_proposals_at_stopping_criteria
 from .compat import GenerationCompatMixin
+from .cost_model import COST_SCHEDULE, CostModel, speculate_by_cost
 from .export_folder import (
     check_ipex_for_saved_graph,
     export_meta,
@@ -63,12 +64,18 @@ from .strategy import (
     request_scope,
     same_size_different_vocabularies,
     select_strategy,
+    uses_cost_model,
 )
 from .torch_cache import PreallocatedKVCache
 from .utils.fs import looks_like_local_path
 from .utils.import_utils import ipex_status, log_fallback_once, require_ipex
 
 logger = logging.getLogger("optimum_ipex_spec")
+
+#: transformers' default ``num_assistant_tokens`` (4.x and 5.x), the cap of the cost model when a draft sets none
+DEFAULT_NUM_ASSISTANT_TOKENS = 20
+#: the longest round the cost model considers (verification cost beyond it is extrapolated too far)
+MAX_DRAFT_TOKENS = 16
 
 
 class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixin):
@@ -91,6 +98,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             ``generate()`` that drafted with this model (our draft generator) or ran prompt lookup on it.
         last_strategy: the :class:`~optimum_ipex_spec.strategy.Strategy` value of the last assisted
             ``generate()`` this model was the target of ("draft", "prompt-lookup", ...), else None.
+        last_cost_model: the :class:`~optimum_ipex_spec.cost_model.CostModel` that chose the draft lengths of the
+            last assisted ``generate()`` with a draft model (``.report()``: its measurements), else None.
     """
 
     auto_model_class = AutoModelForCausalLM
@@ -120,6 +129,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self.source = source
         self.last_speculation_stats = None
         self.last_strategy = None
+        self.last_cost_model = None
         self._dtype = dtype
         self.model_save_dir = model_save_dir
         self.generation_config = generation_config or GenerationConfig.from_model_config(config)
@@ -295,6 +305,14 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             assistant_model, target_tokenizer, assistant_tokenizer, transformers_default)
         if strategy is Strategy.PROMPT_LOOKUP:
             self.last_speculation_stats = generator.stats
+        draft_config = assistant_model.generation_config if assistant_model is not None else None
+        if uses_cost_model(strategy, assistant_model is not None, getattr(draft_config, "num_assistant_tokens_schedule",
+                                                                          None), request.schedule_passed):
+            cap = int(getattr(draft_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
+            self.last_cost_model = CostModel(max_tokens=min(cap, MAX_DRAFT_TOKENS))
+            speculate_by_cost(generator, self.last_cost_model)
+        else:
+            self.last_cost_model = None
         draft_config = getattr(generator, "generation_config", None)  # transformers' drafts: a copy of the target's
         if draft_config is not None and getattr(draft_config, "stop_strings", None) is not None:
             # the draft's nested generate() gets no tokenizer and would refuse stop_strings; the proposals are cut
@@ -335,7 +353,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         self._check_generation_mode(generation_config, args, kwargs, candidate_generator)
         draft_overrides = assisted_arguments(kwargs, candidate_generator)
-        request = GenerationRequest()
+        request = GenerationRequest(schedule_passed="num_assistant_tokens_schedule" in draft_overrides)
         if candidate_generator is not None:
             for method in ("get_candidates", "update_candidate_strategy"):
                 if not callable(getattr(candidate_generator, method, None)):
@@ -427,11 +445,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend)
         # A copy of the target agrees with it almost always: stopping a draft block early on low draft
-        # confidence (transformers' default threshold 0.4) only costs extra rounds; the heuristic
-        # schedule grows the block while everything is accepted.
+        # confidence (transformers' default threshold 0.4) only costs extra rounds; the cost model picks each
+        # round's length up to 8 from measured costs and acceptance.
         draft.generation_config.assistant_confidence_threshold = 0.0
         draft.generation_config.num_assistant_tokens = 8
-        draft.generation_config.num_assistant_tokens_schedule = "heuristic"
+        draft.generation_config.num_assistant_tokens_schedule = COST_SCHEDULE
         return draft
 
     # ------------------------------------------------------------------ loading / export

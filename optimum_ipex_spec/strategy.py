@@ -36,6 +36,7 @@ from transformers import GenerationConfig
 
 from .candidates import AdaptivePromptLookupCandidateGenerator, IPEXDraftCandidateGenerator
 from .compat import eos_token_tensor, vocabulary_translator
+from .cost_model import COST_SCHEDULE
 
 
 class Strategy(str, Enum):
@@ -57,12 +58,14 @@ class GenerationRequest:
             other ids (transformers would refuse it; universal assisted generation re-encodes the text).
         stopping_criteria: all stopping criteria of the call, once transformers built them.
         strategy: the strategy chosen, once transformers asked for the candidate generator.
+        schedule_passed: ``num_assistant_tokens_schedule`` was passed to this call (not only configured).
     """
 
     candidate_generator: Any = None
     assistant_tokenizer: Any = None
     stopping_criteria: Any = None
     strategy: Optional[Strategy] = None
+    schedule_passed: bool = False
 
 
 _REQUEST: contextvars.ContextVar[Optional[GenerationRequest]] = contextvars.ContextVar(
@@ -106,6 +109,24 @@ def select_strategy(*, custom: bool, has_draft: bool, draft_can_run_ours: bool, 
     if prompt_lookup and not early_exit:
         return Strategy.PROMPT_LOOKUP
     return Strategy.TRANSFORMERS
+
+
+#: strategies whose proposals come from a draft model (the cost model sets their length)
+DRAFT_STRATEGIES = (Strategy.DRAFT, Strategy.UNIVERSAL_SAMPLING, Strategy.TRANSFORMERS)
+
+
+def uses_cost_model(strategy: Strategy, has_draft: bool, schedule: Optional[str], schedule_passed: bool) -> bool:
+    """Whether :mod:`~optimum_ipex_spec.cost_model` chooses the draft length of a call (pure).
+
+    On for a draft model's strategies when the draft's ``num_assistant_tokens_schedule`` is ``"cost"``, or is
+    transformers' default (unset, or ``"constant"``, which transformers 4.x cannot tell from unset) and the call did
+    not pass a schedule: the default for our targets. Off with ``num_assistant_tokens_schedule="constant"`` (or
+    ``"heuristic"``) passed to ``generate()``, or ``"heuristic"`` / ``"heuristic_transient"`` on the draft's
+    generation config.
+    """
+    if not has_draft or strategy not in DRAFT_STRATEGIES:
+        return False
+    return schedule == COST_SCHEDULE or (schedule in (None, "constant") and not schedule_passed)
 
 
 def build_candidate_generator(strategy: Strategy, target, generation_config, input_ids, inputs_tensor,

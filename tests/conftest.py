@@ -189,3 +189,20 @@ def ipex_available():
 
 def copy_model(model):
     return copy.deepcopy(model)
+
+
+@pytest.fixture(scope="module")
+def tiny_stock_target_draft(tiny_dir):
+    """(transformers model, our export as target, a second model of ours over the same graphs as draft) of the
+    tiny Llama: a draft that always agrees with its target."""
+    from transformers import AutoModelForCausalLM
+
+    from optimum_ipex_spec import IPEXModelForCausalLM
+
+    path = tiny_dir("llama")
+    stock = AutoModelForCausalLM.from_pretrained(path).eval()
+    target = IPEXModelForCausalLM.from_pretrained(path, export=True)
+    draft = IPEXModelForCausalLM(target.model, target.config, backend=target.backend, dtype=target.dtype,
+                                 generation_config=target.generation_config, verify_model=target.verify_model,
+                                 warmup=False)
+    return stock, target, draft

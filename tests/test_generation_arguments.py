@@ -99,10 +99,11 @@ def test_assistant_confidence_threshold_is_honoured(models):
                    assistant_confidence_threshold=0.0)
     expected = stock.generate(IDS, max_new_tokens=12, do_sample=False)
     got = target.generate(IDS, max_new_tokens=12, do_sample=False, assistant_model=draft,
-                          assistant_confidence_threshold=1.0)
+                          assistant_confidence_threshold=1.0, num_assistant_tokens_schedule="constant")
     assert torch.equal(got, expected)
     assert draft.last_speculation_stats.proposed == draft.last_speculation_stats.rounds
-    got = target.generate(IDS, max_new_tokens=12, do_sample=False, assistant_model=draft)
+    got = target.generate(IDS, max_new_tokens=12, do_sample=False, assistant_model=draft,
+                          num_assistant_tokens_schedule="constant")
     assert torch.equal(got, expected) and draft.last_speculation_stats.proposed > draft.last_speculation_stats.rounds
 
 

@@ -4,9 +4,8 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import LlamaConfig
 
-from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.runners.ipex_graphs import IPEXGraphRunner
 from optimum_ipex_spec.strategy import GenerationRequest, Strategy, current_request, request_scope, select_strategy
 
@@ -88,20 +87,9 @@ class _Proposes:
         pass
 
 
-@pytest.fixture(scope="module")
-def models(tiny_dir):
-    path = tiny_dir("llama")
-    stock = AutoModelForCausalLM.from_pretrained(path).eval()
-    target = IPEXModelForCausalLM.from_pretrained(path, export=True)
-    draft = IPEXModelForCausalLM(target.model, target.config, backend=target.backend, dtype=target.dtype,
-                                 generation_config=target.generation_config, verify_model=target.verify_model,
-                                 warmup=False)
-    return stock, target, draft
-
-
-def test_the_strategy_that_ran_and_its_output(models):
+def test_the_strategy_that_ran_and_its_output(tiny_stock_target_draft):
     """Each way of asking for speculation runs the strategy the table says, with plain greedy's tokens."""
-    stock, target, draft = models
+    stock, target, draft = tiny_stock_target_draft
     ids = torch.tensor([[5, 17, 99, 3, 250, 7, 5, 17]])
     expected = stock.generate(ids, max_new_tokens=12, do_sample=False)
     calls = [

@@ -1,0 +1,305 @@
+"""Cost-aware speculation: measure, per ``generate()`` call, what a round of drafting and verifying costs on this
+machine and pick each round's draft length ``k`` (0 = plain decoding) that maximises expected tokens per second.
+
+Model (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", arXiv 2211.17192,
+section 3): if each draft token is accepted with probability ``alpha`` independently, a round that proposes ``k``
+tokens yields ``E(k) = (1 - alpha^(k+1)) / (1 - alpha)`` tokens (the accepted prefix plus the target's own token);
+``k`` is scaled by the measured share of proposals the target gets to verify (a draft of another tokenizer
+proposes ``k`` of its own tokens, which become some other number of target tokens; a draft may stop early).
+A round costs ``T(k)``: drafting ``k`` tokens, the target's forward over ``k + 1`` tokens and the loop's own work;
+``k = 0`` is one plain decode step, ``E(0) = 1``. Each round proposes the ``k`` in ``0..max_tokens`` that maximises
+``E(k) / T(k)``. Choosing the length from a model of acceptance is also what SpecDec++ (Huang et al. 2024, arXiv
+2405.19715) and Dynamic Speculation Lookahead (Mamou et al. 2024, arXiv 2405.04304) do; here the costs are
+measured, so the model can also decide that drafting does not pay at all.
+
+Measured online (wall clock): ``T(k)``, the time from one round's start to the next round's start for rounds that
+chose ``k`` (the median of the last few per ``k``; linear between measured lengths); ``alpha``, the maximum-likelihood estimate of the geometric model from decayed counts (accepted tokens,
+rejections). For the report, the round is also split into the candidate generator's time (draft) and the rest
+(verification), per ``n``.
+
+Start: one round at ``k0 = 2`` (it carries both prefills: not measured), one plain decode step, ``k0`` again; from
+then on every round is chosen; a length not measured yet is costed on the line through the measured ones (round
+time grows about linearly with ``k``: draft steps plus a slowly growing verification; beyond the longest measured
+length optimistically, :data:`OPTIMISM`), and measured once chosen; every :data:`EXPLORE_EVERY` drafting rounds
+one round re-measures a neighbouring length. While the best
+``k`` is 0 the draft idles for 8 plain rounds, then 16, 32, ... and is probed again with ``k = 1`` (the probe's
+cost includes the draft's catch-up); the doubling stops where a probe costs :attr:`CostModel.probe_budget` of the
+plain rounds around it.
+
+Losslessness is unaffected: only how many tokens are proposed changes; every proposal is still verified.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional
+
+#: ``num_assistant_tokens_schedule`` value that selects this model (also the default for our targets)
+COST_SCHEDULE = "cost"
+#: observations kept per round length (their median is the estimate)
+WINDOW = 5
+#: every this many chosen drafting rounds, one round re-measures a neighbouring length (twice as long, or half as
+#: long at the cap), so that a length costed once on a noisy round is not avoided for the rest of the call
+EXPLORE_EVERY = 6
+
+
+def expected_tokens(alpha: float, k: float) -> float:
+    """Tokens a round proposing ``k`` draft tokens yields when each is accepted with probability ``alpha``
+    (the target's own token included): ``(1 - alpha^(k+1)) / (1 - alpha)``, ``k + 1`` at ``alpha = 1``."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+#: lengths beyond the longest measured one are costed with this share of the last measured slope: optimistic, so
+#: that a longer round is tried (and then measured) when the line through short rounds overstates its cost (a
+#: round's fixed costs, e.g. the draft's catch-up, make short rounds look steep)
+OPTIMISM = 0.75
+
+
+def _interpolate(points: Dict[int, float], x: int) -> Optional[float]:
+    """Piecewise-linear through ``{x: y}``; below the first point with the first slope, beyond the last with
+    :data:`OPTIMISM` times the last slope; flat with one point."""
+    if not points:
+        return None
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    if x < xs[0]:
+        a, b = xs[0], xs[1]
+    elif x > xs[-1]:
+        a, b = xs[-2], xs[-1]
+    else:
+        b = next(v for v in xs if v > x)
+        a = max(v for v in xs if v < x)
+    slope = (points[b] - points[a]) / (b - a)
+    if x > xs[-1]:
+        return max(0.0, points[b] + OPTIMISM * slope * (x - b))
+    return max(0.0, points[a] + slope * (x - a))
+
+
+@dataclass
+class CostModel:
+    """Online measurements of one ``generate()`` call and the draft length they call for.
+
+    Args:
+        max_tokens: the largest ``k`` to consider (the draft's ``num_assistant_tokens``).
+        first_tokens: ``k0``, the length of the first rounds.
+        probe_budget: share of plain-decoding time that probing an idle draft may cost.
+        decay: weight of earlier acceptance counts per new round.
+
+    Attributes: ``alpha``; ``chosen`` (a Counter of the ``k`` of every round); ``rounds``; ``rounds_off`` (plain
+    rounds chosen); ``probes``; :meth:`report` gives the measurements in milliseconds.
+    """
+
+    max_tokens: int = 8
+    first_tokens: int = 2
+    probe_budget: float = 0.03
+    decay: float = 0.7
+    accepted: float = 0.5  # pseudo-counts: alpha starts at 0.5
+    rejections: float = 0.5
+    chosen: Counter = field(default_factory=Counter)
+    rounds: int = 0
+    rounds_off: int = 0
+    probes: int = 0
+    probe_overhead_s: Optional[float] = None
+    verified_share: float = 1.0
+    round_times: Dict[int, Deque[float]] = field(default_factory=dict)
+    draft_times: Dict[int, Deque[float]] = field(default_factory=dict)
+    verify_times: Dict[int, Deque[float]] = field(default_factory=dict)
+    _plan: List[int] = field(default_factory=list)
+    _off_left: int = 0
+    _probe_next: bool = False
+    _off_streak: int = 0
+    _speculating: int = 0
+
+    def __post_init__(self):
+        self.max_tokens = max(1, int(self.max_tokens))
+        self.first_tokens = max(1, min(int(self.first_tokens), self.max_tokens))
+        self._plan = [self.first_tokens, 0, self.first_tokens]
+
+    # ------------------------------------------------------------------ estimates
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejections)
+
+    def round_s(self, k: int) -> Optional[float]:
+        """Estimated seconds of a round that verifies ``k`` proposals (``k = 0``: a plain decode step)."""
+        return _interpolate(_medians(self.round_times), k)
+
+    def tokens(self, k: int) -> float:
+        """Expected tokens a round choosing ``k`` yields: ``E`` of the proposals the target gets to verify, ``k``
+        times the verified share measured so far (a draft of another tokenizer turns ``k`` of its tokens into
+        another number of target tokens; a draft may also stop early)."""
+        return expected_tokens(self.alpha, k * self.verified_share) if k else 1.0
+
+    def rate(self, k: int) -> Optional[float]:
+        """Expected tokens per second of rounds proposing ``k`` tokens."""
+        seconds = self.round_s(k)
+        if not seconds:
+            return None
+        return self.tokens(k) / seconds
+
+    def best_k(self) -> int:
+        """The ``k`` in ``0..max_tokens`` (and at most twice the longest measured length) of the highest expected
+        tokens/s (the smallest on ties); 0 until a plain round was measured."""
+        if 0 not in self.round_times:
+            return 0
+        best, best_rate = 0, self.rate(0)
+        longest = max(self.round_times)  # extrapolate at most to twice the longest measured round
+        for k in range(1, min(self.max_tokens, max(2, 2 * longest)) + 1):
+            rate = self.rate(k)
+            if rate is not None and rate > best_rate * (1 + 1e-9):
+                best, best_rate = k, rate
+        return best
+
+    # ------------------------------------------------------------------ decisions
+    def next_k(self) -> int:
+        """The draft length of the next round (a probe's is 1, see :meth:`probe_due`)."""
+        if self._plan:
+            k = self._plan.pop(0)
+        elif self._off_left > 0:
+            self._off_left -= 1
+            k = 0
+        elif self._probe_next:
+            self._probe_next = False
+            self.probes += 1
+            k = 1
+        else:
+            k = self.best_k()
+            if k == 0:  # the draft does not pay: plain rounds, then a probe
+                self._off_streak += 1
+                self._off_left = self._off_rounds() - 1
+                self._probe_next = True
+            else:
+                self._off_streak = 0
+                self._speculating += 1
+                if self._speculating % EXPLORE_EVERY == 0:  # re-measure a neighbour: one noisy round can hide it
+                    k = min(self.max_tokens, 2 * k) if k < self.max_tokens else max(1, k // 2)
+        if k == 0:
+            self.rounds_off += 1
+        self.chosen[k] += 1
+        return k
+
+    def probe_due(self) -> bool:
+        """True when the next round is a probe of an idle draft."""
+        return self._probe_next and self._off_left == 0 and not self._plan
+
+    def _off_rounds(self) -> int:
+        """Plain rounds before the next probe: 8, doubling while probes keep finding that the draft does not pay,
+        up to where a probe costs ``probe_budget`` of the plain rounds' time (a wrong early call recovers fast; a
+        draft that never pays costs about the budget)."""
+        decode = self.round_s(0)
+        overhead = self.probe_overhead_s
+        if overhead is None and decode is not None:
+            overhead = (self.round_s(1) or decode) - decode
+        limit = 512
+        if decode and overhead and overhead > 0:
+            limit = int(min(512, max(8, math.ceil(overhead / (self.probe_budget * decode)))))
+        return min(limit, 8 * 2 ** (self._off_streak - 1))
+
+    # ------------------------------------------------------------------ observations
+    def observe(self, verified: int, accepted: int, k: Optional[int] = None) -> None:
+        """A round that chose ``k`` verified ``verified`` proposals and the target accepted ``accepted`` of them."""
+        self.rounds += 1
+        if k:
+            self.verified_share = self.decay * self.verified_share + (1 - self.decay) * min(1.0, verified / k)
+        if verified > 0:
+            self.accepted = self.decay * self.accepted + accepted
+            self.rejections = self.decay * self.rejections + (1.0 if accepted < verified else 0.0)
+
+    def observe_time(self, k: int, round_s: float, draft_s: float, probe: bool = False, accepted: int = 0) -> None:
+        """A measured round that chose ``k``: ``round_s`` seconds from its start to the next round's, ``draft_s`` of
+        them in the candidate generator. A probe's time goes to the probe overhead only (it includes the draft's
+        catch-up)."""
+        if probe:
+            decode = self.round_s(0)
+            if decode is not None:
+                self.probe_overhead_s = max(0.0, round_s - decode * (accepted + 1))
+            return
+        for table, value in ((self.round_times, round_s), (self.draft_times, draft_s),
+                             (self.verify_times, round_s - draft_s)):
+            table.setdefault(k, deque(maxlen=WINDOW)).append(value)
+
+    def report(self) -> dict:
+        """The model's view (milliseconds): round, draft and verification time by chosen length, the draft's
+        time per token, the acceptance estimate, the chosen lengths and the rounds spent without drafting."""
+        draft = _medians(self.draft_times)
+        per_token = [draft[n] / n for n in draft if n > 0]
+        return {
+            "alpha": round(self.alpha, 3),
+            "verified_share": round(self.verified_share, 3),
+            "decode_ms": None if 0 not in self.round_times else round(1e3 * self.round_s(0), 2),
+            "draft_ms_per_token": round(1e3 * statistics.median(per_token), 2) if per_token else None,
+            "round_ms_by_k": {k: round(1e3 * s, 2) for k, s in sorted(_medians(self.round_times).items())},
+            "verify_ms_by_k": {k: round(1e3 * s, 2) for k, s in sorted(_medians(self.verify_times).items())},
+            "chosen_k": dict(sorted(self.chosen.items())),
+            "rounds": self.rounds,
+            "rounds_off": self.rounds_off,
+            "probes": self.probes,
+        }
+
+
+def _medians(table: Dict[int, Deque[float]]) -> Dict[int, float]:
+    return {k: statistics.median(values) for k, values in table.items() if values}
+
+
+def draft_length_attribute(generator) -> Optional[str]:
+    """The attribute through which ``generator`` reads its per-round draft length: ``num_assistant_tokens``
+    (transformers' draft generators and ours), ``num_output_tokens`` (prompt lookup), or None."""
+    for name in ("num_assistant_tokens", "num_output_tokens"):
+        if isinstance(getattr(generator, name, None), (int, float)):
+            return name
+    return None
+
+
+def speculate_by_cost(generator, model: CostModel, clock: Callable[[], float] = time.perf_counter):
+    """Make ``generator`` (a transformers ``CandidateGenerator`` or one of ours) propose, each round, the number
+    of tokens ``model`` chooses, and feed ``model`` what each round cost. ``k = 0``: the generator is not called
+    and the round is a plain decode step. Patched on the instance (transformers 5 checks the class). Returns
+    ``generator``.
+
+    The length is set through the generator's own attribute (:func:`draft_length_attribute`) or, without one,
+    proposals are cut to it.
+    """
+    length_attribute = draft_length_attribute(generator)
+    inner_get, inner_update = generator.get_candidates, generator.update_candidate_strategy
+    previous = {}  # the last round: start, chosen k, draft seconds, accepted, probe, first, verified
+
+    def get_candidates(input_ids, *args, **kwargs):
+        start = clock()
+        if previous and not previous["first"] and previous.get("verified"):
+            model.observe_time(previous["k"], start - previous["start"], previous["draft_s"],
+                               probe=previous["probe"], accepted=previous["accepted"])
+        probe = model.probe_due()
+        k = model.next_k()
+        previous.update(start=start, k=k, first=not previous, probe=probe, called=k > 0, draft_s=0.0, verified=False)
+        if k == 0:
+            return input_ids, None
+        if length_attribute is not None:
+            setattr(generator, length_attribute, k)
+        candidates, logits = inner_get(input_ids, *args, **kwargs)
+        if length_attribute is None and candidates.shape[1] - input_ids.shape[1] > k:
+            candidates = candidates[:, : input_ids.shape[1] + k]
+            logits = logits[:, :k] if logits is not None else None
+        previous["draft_s"] = clock() - start
+        return candidates, logits
+
+    def update_candidate_strategy(input_ids, scores, num_matches, *args, **kwargs):
+        verified = scores.shape[1] - 1 if scores is not None else 0
+        previous.update(verified=True, accepted=int(num_matches))
+        model.observe(verified, int(num_matches), k=previous["k"])
+        if previous.get("called"):
+            return inner_update(input_ids, scores, num_matches, *args, **kwargs)
+        return None
+
+    generator.get_candidates = get_candidates
+    generator.update_candidate_strategy = update_candidate_strategy
+    generator.cost_model = model
+    return generator

@@ -1,0 +1,139 @@
+"""The cost model that picks each round's draft length (optimum_ipex_spec.cost_model): its arithmetic, its decisions
+on simulated costs (a fake clock, no timing of real code), when it is on, and that output stays the target's."""
+
+import pytest
+import torch
+
+from optimum_ipex_spec.cost_model import CostModel, expected_tokens, speculate_by_cost
+from optimum_ipex_spec.strategy import Strategy, uses_cost_model
+
+
+def test_expected_tokens_matches_the_geometric_sum():
+    for alpha in (0.0, 0.3, 0.8, 0.99):
+        for k in range(0, 9):
+            assert expected_tokens(alpha, k) == pytest.approx(sum(alpha ** i for i in range(k + 1)))
+    assert expected_tokens(1.0, 5) == 6
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class _Simulated:
+    """A candidate generator whose rounds cost simulated time: ``decode`` seconds per target token verified plus
+    ``verify_slope`` per extra token, ``draft`` seconds per proposal; the target accepts a proposal while
+    ``accept(i)`` says so (deterministic)."""
+
+    def __init__(self, clock, draft, decode, verify_slope, accept):
+        self.clock, self.draft, self.decode, self.verify_slope, self.accept = clock, draft, decode, verify_slope, accept
+        self.num_assistant_tokens = 20
+        self.calls = 0
+
+    def get_candidates(self, input_ids):
+        self.calls += 1
+        k = int(self.num_assistant_tokens)
+        self.clock.now += self.draft * k
+        return torch.cat([input_ids, torch.zeros(1, k, dtype=torch.long)], dim=1), None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+
+def _run(generator, model, clock, rounds, length=10):
+    """Drive ``generator`` like transformers' assisted loop: proposals, a verification forward, the update."""
+    tokens = 0
+    ids = torch.zeros(1, length, dtype=torch.long)
+    for _ in range(rounds):
+        candidates, _ = generator.get_candidates(ids)
+        k = candidates.shape[1] - ids.shape[1]
+        clock.now += generator.decode + generator.verify_slope * k  # the target verifies k + 1 tokens
+        accepted = 0
+        while accepted < k and generator.accept(tokens + accepted):
+            accepted += 1
+        generator.update_candidate_strategy(candidates, torch.zeros(1, k + 1, 4), accepted)
+        tokens += accepted + 1
+        ids = torch.zeros(1, length + tokens, dtype=torch.long)
+    return tokens
+
+
+def test_a_cheap_agreeing_draft_gets_long_rounds():
+    clock = _Clock()
+    generator = _Simulated(clock, draft=0.01, decode=0.05, verify_slope=0.004, accept=lambda i: True)
+    model = CostModel(max_tokens=8)
+    speculate_by_cost(generator, model, clock=clock)
+    tokens = _run(generator, model, clock, rounds=30)
+    assert model.chosen[8] >= 20 and model.rounds_off <= 1
+    # best possible: 9 tokens per 0.08 + 0.05 + 0.032 s = 55.6 tokens/s (2.78x plain decoding); exploration included
+    assert tokens / clock.now > 2.5 / 0.05
+
+
+def test_a_draft_that_does_not_pay_is_turned_off_and_probed_rarely():
+    clock = _Clock()
+    # as costly per token as the target and never right: every proposal is wasted time
+    generator = _Simulated(clock, draft=0.05, decode=0.05, verify_slope=0.005, accept=lambda i: False)
+    model = CostModel(max_tokens=8)
+    speculate_by_cost(generator, model, clock=clock)
+    tokens = _run(generator, model, clock, rounds=300)
+    plain = tokens * 0.05
+    assert model.rounds_off >= 280 and 1 <= model.probes <= 12  # 8, 16, 32, then every ~37 (3% budget)
+    assert plain / clock.now >= 0.95  # within 5% of decoding alone, exploration and probes included
+    assert generator.calls == model.rounds - model.rounds_off
+
+
+def test_the_draft_comes_back_when_it_starts_to_agree():
+    clock = _Clock()
+    # wrong for the first 60 tokens (e.g. prose), then always right (e.g. copying code)
+    generator = _Simulated(clock, draft=0.01, decode=0.05, verify_slope=0.004, accept=lambda i: i >= 60)
+    model = CostModel(max_tokens=8)
+    speculate_by_cost(generator, model, clock=clock)
+    _run(generator, model, clock, rounds=120)
+    assert model.rounds_off >= 20 and model.probes >= 1 and model.chosen[8] >= 10
+    report = model.report()
+    assert report["rounds"] == 120 and report["decode_ms"] == pytest.approx(50.0)
+    assert report["draft_ms_per_token"] == pytest.approx(10.0)
+
+
+def test_a_generator_without_a_length_attribute_is_cut():
+    clock = _Clock()
+    generator = _Simulated(clock, draft=0.0, decode=0.05, verify_slope=0.0, accept=lambda i: True)
+    del generator.num_assistant_tokens
+    generator.get_candidates = lambda ids: (torch.cat([ids, torch.zeros(1, 20, dtype=torch.long)], dim=1), None)
+    model = CostModel(max_tokens=4)
+    speculate_by_cost(generator, model, clock=clock)
+    candidates, _ = generator.get_candidates(torch.zeros(1, 3, dtype=torch.long))
+    assert candidates.shape[1] == 3 + 2  # the first round proposes k0 = 2
+
+
+@pytest.mark.parametrize("strategy,has_draft,schedule,passed,on", [
+    (Strategy.DRAFT, True, None, False, True),  # transformers 5: unset
+    (Strategy.DRAFT, True, "constant", False, True),  # transformers 4: the default value
+    (Strategy.TRANSFORMERS, True, "cost", True, True),
+    (Strategy.UNIVERSAL_SAMPLING, True, "constant", False, True),
+    (Strategy.DRAFT, True, "constant", True, False),  # passed to generate(): the user's choice
+    (Strategy.DRAFT, True, "heuristic", False, False),
+    (Strategy.TRANSFORMERS, False, None, False, False),  # early exit: no draft model
+    (Strategy.PROMPT_LOOKUP, False, None, False, False),  # its own break-even gating
+    (Strategy.CUSTOM, False, None, False, False),
+])
+def test_when_the_cost_model_is_on(strategy, has_draft, schedule, passed, on):
+    assert uses_cost_model(strategy, has_draft, schedule, passed) is on
+
+
+def test_default_on_switch_off_and_lossless(tiny_stock_target_draft):
+    stock, target, draft = tiny_stock_target_draft
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 5, 17]])
+    expected = stock.generate(ids, max_new_tokens=40, do_sample=False)
+    for assistant in (draft, stock):
+        got = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant)
+        assert torch.equal(got, expected)
+        report = target.last_cost_model.report()
+        assert report["rounds"] >= 3 and sum(report["chosen_k"].values()) == report["rounds"]
+        got = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant,
+                              num_assistant_tokens_schedule="constant")
+        assert torch.equal(got, expected) and target.last_cost_model is None
+    target.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3)
+    assert target.last_cost_model is None
