@@ -57,8 +57,11 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
     gc.collect()
     ours_memory = _rss()
     stock = AutoModelForCausalLM.from_pretrained(target_path, torch_dtype=dtype).eval() if not args.no_stock else None
-    configs = [("stock alone", stock, {}), ("ours alone", ours, {}), (f"ours + draft, k={args.k}", ours,
-                                                                      {"assistant_model": draft})]
+    configs = [("stock alone", stock, {}), ("ours alone", ours, {}),
+               (f"ours + draft, k={args.k}", ours, {"assistant_model": draft,
+                                                    "num_assistant_tokens_schedule": "constant"}),
+               ("ours + draft, cost model (default)", ours, {"assistant_model": draft,
+                                                              "num_assistant_tokens_schedule": "cost"})]
     configs = [c for c in configs if c[1] is not None]
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
