@@ -59,7 +59,11 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
 
     Shapes: ``get_candidates(input_ids [1, L])`` returns ``(candidates [1, L + n], None)`` with
     ``0 <= n <= num_assistant_tokens`` new draft tokens (no logits are needed for greedy verification).
+    The first call may come at any length (the draft's cache catches up with whatever it lacks): the cost model
+    can then leave the draft's prefill until after the first token (``starts_at_any_length``).
     """
+
+    starts_at_any_length = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

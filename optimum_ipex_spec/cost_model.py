@@ -17,8 +17,9 @@ chose ``k`` (the median of the last few per ``k``; linear between measured lengt
 rejections). For the report, the round is also split into the candidate generator's time (draft) and the rest
 (verification), per ``n``.
 
-Start: one round at ``k0 = 2`` (it carries both prefills: not measured), one plain decode step, ``k0`` again; from
-then on every round is chosen; a length not measured yet is costed on the line through the measured ones (round
+Start: one round at ``k0 = 2`` (the draft's prefill; for generators that can start late, ours, a plain round
+before it: the target's prefill, so that with a draft the first token comes as soon as without one), not
+measured; then one plain decode step and ``k0`` again, measured; from then on every round is chosen; a length not measured yet is costed on the line through the measured ones (round
 time grows about linearly with ``k``: draft steps plus a slowly growing verification; beyond the longest measured
 length optimistically, :data:`OPTIMISM`), and measured once chosen; every :data:`EXPLORE_EVERY` drafting rounds
 one round re-measures a neighbouring length. While the best
@@ -93,6 +94,9 @@ class CostModel:
         first_tokens: ``k0``, the length of the first rounds.
         probe_budget: share of plain-decoding time that probing an idle draft may cost.
         decay: weight of earlier acceptance counts per new round.
+        plain_first: start with a plain round, so that the draft's prefill is not on the way to the first token;
+            only for generators that can start at any length (transformers' own expect their first call at the
+            prompt's length).
 
     Attributes: ``alpha``; ``chosen`` (a Counter of the ``k`` of every round); ``rounds``; ``rounds_off`` (plain
     rounds chosen); ``probes``; :meth:`report` gives the measurements in milliseconds.
@@ -102,6 +106,7 @@ class CostModel:
     first_tokens: int = 2
     probe_budget: float = 0.03
     decay: float = 0.7
+    plain_first: bool = False
     accepted: float = 0.5  # pseudo-counts: alpha starts at 0.5
     rejections: float = 0.5
     chosen: Counter = field(default_factory=Counter)
@@ -120,9 +125,22 @@ class CostModel:
     _speculating: int = 0
 
     def __post_init__(self):
-        self.max_tokens = max(1, int(self.max_tokens))
-        self.first_tokens = max(1, min(int(self.first_tokens), self.max_tokens))
-        self._plan = [self.first_tokens, 0, self.first_tokens]
+        for name in ("max_tokens", "first_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CostModel.{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 < self.probe_budget <= 1.0:
+            raise ValueError(f"CostModel.probe_budget must be a share in (0, 1], got {self.probe_budget!r}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"CostModel.decay must be in [0, 1), got {self.decay!r}")
+        if not (self.accepted > 0 and self.rejections > 0):
+            raise ValueError("CostModel.accepted and .rejections are pseudo-counts of the prior and must be > 0, got "
+                             f"{self.accepted!r} and {self.rejections!r}")
+        self.first_tokens = min(self.first_tokens, self.max_tokens)
+        # the draft's first round (its prefill), then one plain round and one of k0 that are measured; with
+        # plain_first, a plain round before them all (the target's prefill: the first token as early as without a
+        # draft)
+        self._plan = [0] * self.plain_first + [self.first_tokens, 0, self.first_tokens]
 
     # ------------------------------------------------------------------ estimates
     @property
@@ -142,9 +160,9 @@ class CostModel:
     def rate(self, k: int) -> Optional[float]:
         """Expected tokens per second of rounds proposing ``k`` tokens."""
         seconds = self.round_s(k)
-        if not seconds:
+        if seconds is None:
             return None
-        return self.tokens(k) / seconds
+        return self.tokens(k) / max(seconds, 1e-9)  # a clock too coarse to see a round: count it as 1 ns
 
     def best_k(self) -> int:
         """The ``k`` in ``0..max_tokens`` (and at most twice the longest measured length) of the highest expected
@@ -268,18 +286,26 @@ def speculate_by_cost(generator, model: CostModel, clock: Callable[[], float] = 
     The length is set through the generator's own attribute (:func:`draft_length_attribute`) or, without one,
     proposals are cut to it.
     """
+    if getattr(generator, "cost_model", None) is not None:
+        raise ValueError("this candidate generator already has a cost model (speculate_by_cost was applied twice); "
+                         "build a new generator per generate() call")
     length_attribute = draft_length_attribute(generator)
     inner_get, inner_update = generator.get_candidates, generator.update_candidate_strategy
-    previous = {}  # the last round: start, chosen k, draft seconds, accepted, probe, first, verified
+    previous = {}  # the last round: start, chosen k, draft seconds, accepted, probe, warm-up, verified
+    drafted = []  # whether the generator was called yet (its first call carries the draft's prefill)
 
     def get_candidates(input_ids, *args, **kwargs):
         start = clock()
-        if previous and not previous["first"] and previous.get("verified"):
+        if previous and not previous["warmup"] and previous.get("verified"):
             model.observe_time(previous["k"], start - previous["start"], previous["draft_s"],
                                probe=previous["probe"], accepted=previous["accepted"])
         probe = model.probe_due()
         k = model.next_k()
-        previous.update(start=start, k=k, first=not previous, probe=probe, called=k > 0, draft_s=0.0, verified=False)
+        # not measured: the first round (the target's prefill) and the first drafting round (the draft's prefill)
+        warmup = not previous or (k > 0 and not drafted)
+        if k > 0:
+            drafted.append(True)
+        previous.update(start=start, k=k, warmup=warmup, probe=probe, called=k > 0, draft_s=0.0, verified=False)
         if k == 0:
             return input_ids, None
         if length_attribute is not None:
@@ -292,6 +318,9 @@ def speculate_by_cost(generator, model: CostModel, clock: Callable[[], float] = 
         return candidates, logits
 
     def update_candidate_strategy(input_ids, scores, num_matches, *args, **kwargs):
+        if "k" not in previous:
+            raise RuntimeError("update_candidate_strategy() was called before get_candidates(): a round is proposed, "
+                               "then verified")
         verified = scores.shape[1] - 1 if scores is not None else 0
         previous.update(verified=True, accepted=int(num_matches))
         model.observe(verified, int(num_matches), k=previous["k"])

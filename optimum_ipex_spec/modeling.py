@@ -55,10 +55,12 @@ from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
 from .runners.eager import dynamic_cache_for_assisted
 from .strategy import (
+    DRAFT_ARGUMENTS,
     GenerationRequest,
     Strategy,
     assisted_arguments,
     build_candidate_generator,
+    check_draft_arguments,
     current_request,
     draft_generation_config,
     request_scope,
@@ -309,7 +311,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if uses_cost_model(strategy, assistant_model is not None, getattr(draft_config, "num_assistant_tokens_schedule",
                                                                           None), request.schedule_passed):
             cap = int(getattr(draft_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
-            self.last_cost_model = CostModel(max_tokens=min(cap, MAX_DRAFT_TOKENS))
+            self.last_cost_model = CostModel(max_tokens=min(cap, MAX_DRAFT_TOKENS),
+                                             plain_first=getattr(generator, "starts_at_any_length", False))
             speculate_by_cost(generator, self.last_cost_model)
         else:
             self.last_cost_model = None
@@ -353,6 +356,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         self._check_generation_mode(generation_config, args, kwargs, candidate_generator)
         draft_overrides = assisted_arguments(kwargs, candidate_generator)
+        assistant = kwargs.get("assistant_model")
+        if assistant is not None:
+            draft_config = getattr(assistant, "generation_config", None)
+            check_draft_arguments({name: draft_overrides.get(name, getattr(draft_config, name, None))
+                                   for name in DRAFT_ARGUMENTS})
         request = GenerationRequest(schedule_passed="num_assistant_tokens_schedule" in draft_overrides)
         if candidate_generator is not None:
             for method in ("get_candidates", "update_candidate_strategy"):
@@ -367,7 +375,6 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             # switches it there, and _get_candidate_generator returns the request's generator instead of a lookup
             kwargs["prompt_lookup_num_tokens"] = 1
             request.candidate_generator = candidate_generator
-        assistant = kwargs.get("assistant_model")
         if same_size_different_vocabularies(self, assistant, kwargs.get("tokenizer"), kwargs.get("assistant_tokenizer")):
             # transformers tells tokenizers apart by vocabulary size only and would refuse assistant_tokenizer
             # here; set it aside past that check so universal assisted generation re-encodes the text
@@ -377,6 +384,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             dynamic_cache_for_assisted(self, generation_config, args, kwargs)
         if not speculative:
             self.last_strategy = None
+            self.last_cost_model = None
         ipex_involved = self.backend == "ipex" or getattr(assistant, "backend", None) == "ipex"
         # assisted as target, or continuing a cache (how transformers drives an assistant model)
         assisted = speculative or isinstance(kwargs.get("past_key_values"), IPEXFusedCache)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Dict, Iterator, Optional
@@ -242,6 +243,35 @@ def assisted_arguments(kwargs: Dict[str, Any], candidate_generator) -> Dict[str,
     for name in passed:
         kwargs.pop(name, None)
     return passed
+
+
+#: ``num_assistant_tokens_schedule`` values: transformers' three and ours
+SCHEDULES = ("constant", "heuristic", "heuristic_transient", COST_SCHEDULE)
+
+
+def check_draft_arguments(values: Dict[str, Any]) -> None:
+    """Refuse draft arguments transformers would take silently or fail on deep in its loop. ``values``: the
+    effective ``num_assistant_tokens``, ``num_assistant_tokens_schedule`` and ``assistant_confidence_threshold``
+    of a call (passed to ``generate()`` or on the draft's generation config; None = unset).
+
+    Raises:
+        ValueError: ``num_assistant_tokens`` not a finite number >= 1, a schedule not in :data:`SCHEDULES`, or a
+            confidence threshold not a number in [0, 1].
+    """
+    tokens = values.get("num_assistant_tokens")  # a float is transformers' own: the heuristic schedule writes one
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, (int, float))
+                               or not 1 <= tokens < math.inf):
+        raise ValueError(f"num_assistant_tokens must be a number >= 1 (draft tokens proposed per round), got "
+                         f"{tokens!r}; to decode without a draft, leave out assistant_model")
+    schedule = values.get("num_assistant_tokens_schedule")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"num_assistant_tokens_schedule must be one of {', '.join(map(repr, SCHEDULES))}, got "
+                         f"{schedule!r}")
+    threshold = values.get("assistant_confidence_threshold")
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or not 0.0 <= threshold <= 1.0):
+        raise ValueError(f"assistant_confidence_threshold must be a probability in [0, 1] (the draft stops a round "
+                         f"when its top token is less likely than this), got {threshold!r}")
 
 
 @contextlib.contextmanager

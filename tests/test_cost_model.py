@@ -102,10 +102,13 @@ def test_a_generator_without_a_length_attribute_is_cut():
     generator = _Simulated(clock, draft=0.0, decode=0.05, verify_slope=0.0, accept=lambda i: True)
     del generator.num_assistant_tokens
     generator.get_candidates = lambda ids: (torch.cat([ids, torch.zeros(1, 20, dtype=torch.long)], dim=1), None)
-    model = CostModel(max_tokens=4)
+    model = CostModel(max_tokens=4, plain_first=True)
     speculate_by_cost(generator, model, clock=clock)
     candidates, _ = generator.get_candidates(torch.zeros(1, 3, dtype=torch.long))
-    assert candidates.shape[1] == 3 + 2  # the first round proposes k0 = 2
+    assert candidates.shape[1] == 3  # plain_first: the first round is the target's prefill alone
+    generator.update_candidate_strategy(candidates, torch.zeros(1, 1, 4), 0)
+    candidates, _ = generator.get_candidates(torch.zeros(1, 4, dtype=torch.long))
+    assert candidates.shape[1] == 4 + 2  # the draft's first round proposes k0 = 2, cut from 20
 
 
 @pytest.mark.parametrize("strategy,has_draft,schedule,passed,on", [
@@ -137,3 +140,99 @@ def test_default_on_switch_off_and_lossless(tiny_stock_target_draft):
         assert torch.equal(got, expected) and target.last_cost_model is None
     target.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3)
     assert target.last_cost_model is None
+    target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=draft)
+    assert target.last_cost_model is not None
+    target.generate(ids, max_new_tokens=4, do_sample=False)  # a plain call clears the last call's model
+    assert target.last_cost_model is None and target.last_strategy is None
+
+
+@pytest.mark.parametrize("argument,value,message", [
+    ("num_assistant_tokens", 0, "number >= 1"),
+    ("num_assistant_tokens", -1, "number >= 1"),
+    ("num_assistant_tokens", float("nan"), "number >= 1"),
+    ("num_assistant_tokens", "3", "number >= 1"),
+    ("num_assistant_tokens_schedule", "bogus", "must be one of"),
+    ("num_assistant_tokens_schedule", "Cost", "must be one of"),
+    ("assistant_confidence_threshold", 2.0, r"\[0, 1\]"),
+    ("assistant_confidence_threshold", -1, r"\[0, 1\]"),
+])
+def test_bad_draft_arguments_are_refused_before_generating(tiny_stock_target_draft, argument, value, message):
+    stock, target, draft = tiny_stock_target_draft
+    ids = torch.tensor([[5, 17, 99, 3]])
+    for assistant in (draft, stock):  # our draft and a transformers draft alike
+        with pytest.raises(ValueError, match=message):
+            target.generate(ids, max_new_tokens=4, assistant_model=assistant, **{argument: value})
+    original = draft.generation_config.num_assistant_tokens_schedule
+    draft.generation_config.num_assistant_tokens_schedule = "bogus"  # on the draft's own config, too
+    try:
+        with pytest.raises(ValueError, match="must be one of"):
+            target.generate(ids, max_new_tokens=4, assistant_model=draft)
+    finally:
+        draft.generation_config.num_assistant_tokens_schedule = original
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=None), "max_tokens"),
+    (dict(max_tokens=float("inf")), "max_tokens"),
+    (dict(first_tokens=0), "first_tokens"),
+    (dict(probe_budget=0.0), "probe_budget"),
+    (dict(decay=1.0), "decay"),
+    (dict(accepted=0.0, rejections=0.0), "pseudo-counts"),
+])
+def test_cost_model_refuses_bad_settings(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        CostModel(**arguments)
+
+
+def test_a_clock_too_coarse_to_see_a_round_still_decides():
+    clock = _Clock()  # never advances: every round measures 0 s
+    generator = _Simulated(clock, draft=0.0, decode=0.0, verify_slope=0.0, accept=lambda i: True)
+    model = CostModel(max_tokens=8)
+    speculate_by_cost(generator, model, clock=clock)
+    _run(generator, model, clock, rounds=20)
+    assert model.rounds == 20 and model.best_k() >= 0
+
+
+def test_speculate_by_cost_refuses_a_second_wrap_and_an_update_first():
+    clock = _Clock()
+    generator = _Simulated(clock, draft=0.01, decode=0.05, verify_slope=0.0, accept=lambda i: True)
+    speculate_by_cost(generator, CostModel(), clock=clock)
+    with pytest.raises(ValueError, match="applied twice"):
+        speculate_by_cost(generator, CostModel(), clock=clock)
+    with pytest.raises(RuntimeError, match="before get_candidates"):
+        generator.update_candidate_strategy(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 1, 4), 0)
+
+
+def test_the_first_token_comes_before_the_draft_runs(tiny_stock_target_draft, monkeypatch):
+    """Time to first token with a draft: the first round is the target's prefill alone (the draft's prefill
+    follows), so the streamer gets one token before any draft forward, as without a draft."""
+    from transformers.generation.streamers import BaseStreamer
+
+    stock, target, draft = tiny_stock_target_draft
+
+    class Chunks(BaseStreamer):
+        def __init__(self):
+            self.sizes = []
+
+        def put(self, value):
+            self.sizes.append(value.numel())
+
+        def end(self):
+            pass
+
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 5, 17]])
+    expected = stock.generate(ids, max_new_tokens=24, do_sample=False)
+    for assistant in (draft,):  # ours (transformers' drafts expect their first call at the prompt's length)
+        calls, chunks, forward = [], Chunks(), assistant.forward
+
+        def counted(*args, **kwargs):
+            calls.append(len(chunks.sizes))  # how many chunks the streamer had when the draft ran
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(assistant, "forward", counted)
+        got = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=assistant, streamer=chunks)
+        monkeypatch.undo()
+        assert torch.equal(got, expected)
+        assert chunks.sizes[:2] == [ids.shape[1], 1]  # the prompt, then the first token alone
+        assert calls and min(calls) >= 2  # the draft first ran after the first token was out
