@@ -120,6 +120,8 @@ def run_assisted(path, tokenizer, prompts, args, bar):
                     {"assistant_model": draft, "_k": 8, "_schedule": "heuristic"}))
     configs.append(("ours fp32 + bf16 self-draft, cost model (default)", target,
                     {"assistant_model": draft, "_k": 8, "_schedule": "cost"}))
+    configs.append(("ours fp32 + int8 self-draft, cost model", target,  # self_draft(weights="int8")
+                    {"assistant_model": target.self_draft(weights="int8"), "_k": 8, "_schedule": "cost"}))
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
     identical = {name: True for name, _, _ in configs}
     for _ in range(args.rounds):
@@ -129,14 +131,15 @@ def run_assisted(path, tokenizer, prompts, args, bar):
             for name, model, extra in configs:
                 extra = dict(extra)
                 k, schedule = extra.pop("_k", None), extra.pop("_schedule", None)
+                assistant = extra.get("assistant_model")
                 if k is not None:
-                    draft.generation_config.num_assistant_tokens = k
-                    draft.generation_config.num_assistant_tokens_schedule = schedule
-                    draft.generation_config.assistant_confidence_threshold = 0.0
-                    draft.last_speculation_stats = None
+                    assistant.generation_config.num_assistant_tokens = k
+                    assistant.generation_config.num_assistant_tokens_schedule = schedule
+                    assistant.generation_config.assistant_confidence_threshold = 0.0
+                    assistant.last_speculation_stats = None
                     extra["num_assistant_tokens_schedule"] = schedule  # passed: "constant" means constant
                 out, timing = timed_generate(model, inputs, **gen, **extra)
-                stats = draft.last_speculation_stats if k is not None else None
+                stats = assistant.last_speculation_stats if k is not None else None
                 reference = out if reference is None else reference
                 identical[name] &= torch.equal(out, reference)
                 samples[name][i].append((timing, stats))
@@ -356,9 +359,12 @@ def _fmt(value, spec, missing="-"):
 def _speculation_tables(result, plots):
     lines = []
     if result.get("assisted"):
+        int8 = any("int8" in row["config"] for row in result["assisted"])
         lines += ["", "## Assisted generation (speculative decoding), fp32 target", "",
                   "Target: SmolLM2 fp32 (ours). Draft: the same checkpoint exported in bf16 "
-                  "(`target.self_draft(torch_dtype=torch.bfloat16)`). Greedy; k = draft tokens per round. Decode "
+                  "(`target.self_draft(torch_dtype=torch.bfloat16)`)"
+                  + (", or held as weight-only int8 on our PyTorch decoder (`target.self_draft(weights=\"int8\")`, "
+                     "the int8 row)" if int8 else "") + ". Greedy; k = draft tokens per round. Decode "
                   "tok/s counts tokens after the first; end-to-end includes prefill (target and draft). Acceptance "
                   "rate = accepted / proposed draft tokens; tokens per target forward = mean tokens emitted per "
                   "verification step (accepted drafts + the target's own token)."]

@@ -49,6 +49,7 @@ from .facts import (
     check_causal_lm_config,
     dtype_name,
     is_provisioned_name,
+    WEIGHT_FORMATS,
     resolve_dtype,
 )
 from .patching import generation_patches, register_for_pipelines
@@ -123,6 +124,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         warmup: bool = True,
         verify_model: Optional[torch.jit.ScriptModule] = None,
         source: Optional[str] = None,
+        weights: str = "dense",
     ):
         if backend not in ("ipex", "torch"):
             raise ValueError(f"backend must be 'ipex' or 'torch', got {backend!r}")
@@ -136,7 +138,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self.model_save_dir = model_save_dir
         self.generation_config = generation_config or GenerationConfig.from_model_config(config)
         self._num_layers = config.get_text_config().num_hidden_layers
-        self.runner = make_runner(backend, model, config, dtype, verify_model)
+        self.weights = weights
+        self.runner = make_runner(backend, model, config, dtype, verify_model, weights=weights)
         if warmup:
             self.runner.warmup()
 
@@ -429,29 +432,44 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 "several times, or sample the sequences without speculative decoding."
             )
 
-    def self_draft(self, torch_dtype: Union[str, torch.dtype] = torch.bfloat16, backend: str = "auto"):
+    def self_draft(self, torch_dtype: Union[str, torch.dtype] = torch.bfloat16, backend: str = "auto",
+                   weights: str = "dense"):
         """A cheaper copy of this model to use as its own draft: ``generate(assistant_model=...)``.
 
-        The same checkpoint exported again in ``torch_dtype`` (default bf16). Same tokenizer, so
-        transformers' plain assisted generation applies; output stays the target's (every draft token is
-        verified). Measured on SmolLM2-135M (docs/benchmarks.md): the bf16 copy agrees with the fp32
-        target's next token ~99% of the time and decodes ~2.3x faster. Weight-only int8/int4 copies were
-        3-4x slower than fp32 on this CPU (field notes), so they are not offered.
+        The same checkpoint loaded again in ``torch_dtype`` (default bf16), exported like the target
+        (``weights="dense"``), or held as weight-only int8 with bf16 activations on our pure-PyTorch decoder
+        (``weights="int8"``: PyTorch's own int8 CPU kernel, :mod:`~optimum_ipex_spec.int8_weights`; a quarter of
+        the fp32 weight bytes, built in seconds, not saved by ``save_pretrained``). Same tokenizer, so plain
+        assisted generation applies; output stays the target's (every draft token is verified). Measured on
+        SmolLM2-135M (docs/benchmarks.md): the bf16 copy agrees with the fp32 target's next token ~99% of the time;
+        which copy is the cheaper draft on a machine is measured by ``make bench`` (self-draft section).
 
         Raises:
-            ValueError: the model was not exported from a checkpoint path or id (``source`` unknown).
+            ValueError: the model was not exported from a checkpoint path or id (``source`` unknown); a dense copy
+                in this model's own dtype (not cheaper); ``weights="int8"`` with a dtype other than bf16 or
+                ``backend="ipex"``; an unknown ``weights``.
         """
         if not self.source:
             raise ValueError(
                 "self_draft() needs the checkpoint this model was exported from; export it with "
                 "IPEXModelForCausalLM.from_pretrained(model_id, export=True) or load the draft yourself"
             )
-        if resolve_dtype(torch_dtype) == self._dtype:
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+        if weights == "int8":
+            if resolve_dtype(torch_dtype) != torch.bfloat16 or backend == "ipex":
+                raise ValueError("weights='int8' runs on our pure-PyTorch decoder with bf16 activations: pass "
+                                 "torch_dtype=torch.bfloat16 and backend='auto' or 'torch'")
+            draft = type(self).from_transformers_model(
+                AutoModelForCausalLM.from_pretrained(self.source, torch_dtype=torch.bfloat16),
+                dtype=torch.bfloat16, backend="torch", source=self.source, weights="int8")
+        elif resolve_dtype(torch_dtype) == self._dtype:
             raise ValueError(
                 f"this model is already {dtype_name(self._dtype)}: a {dtype_name(self._dtype)} copy is not a cheaper "
-                "draft. Use an fp32 target with the default bf16 draft, or pick another draft model."
+                "draft. Use an fp32 target with the default bf16 draft, weights='int8', or another draft model."
             )
-        draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend)
+        else:
+            draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend)
         # A copy of the target agrees with it almost always: stopping a draft block early on low draft
         # confidence (transformers' default threshold 0.4) only costs extra rounds; the cost model picks each
         # round's length up to 8 from measured costs and acceptance.
@@ -572,14 +590,16 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         backend: str = "auto",
         generation_config: Optional[GenerationConfig] = None,
         source: Optional[str] = None,
+        weights: str = "dense",
     ) -> "IPEXModelForCausalLM":
         """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
-        if you still need the eager model, or want to export it again.
+        if you still need the eager model, or want to export it again. ``weights="int8"`` (``backend="torch"``,
+        bf16): weight-only int8 on our decoder, releasing ``model``'s projection weights.
 
         Raises:
             ValueError: not a causal LM, unsupported dtype or backend; ``model`` was already optimized by IPEX
                 (an earlier export of the same object): IPEX rewrote its modules in place and it cannot be traced
-                again.
+                again; ``weights="int8"`` with another backend or dtype.
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -597,6 +617,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         dtype = resolve_dtype(dtype if dtype is not None else model.dtype, config)
         model = model.to(dtype).eval()
         generation_config = generation_config or getattr(model, "generation_config", None)
+        if weights != "dense":  # our decoder's format (make_runner checks the architecture and dtype)
+            return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config,
+                       source=source, weights=weights)
         if cls._choose_backend(backend, config) == "ipex":
             graphs = export_to_ipex(model, dtype)
             return cls(graphs.decode, config, backend="ipex", dtype=dtype, generation_config=generation_config,
@@ -673,6 +696,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                    model_save_dir=folder, source=meta.get("source"))
 
     def _save_pretrained(self, save_directory: Union[str, Path]) -> None:
+        if self.weights != "dense":
+            raise ValueError(f"a model with {self.weights} weights is built from its checkpoint in seconds and is "
+                             "not saved: save the checkpoint, and build it again with self_draft(weights=...)")
         save_directory = str(save_directory)
         if self.backend == "ipex":
             save_graphs(save_directory, IPEXGraphs(decode=self.model, verify=self.verify_model))

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .facts import LLAMA_FAMILY_ARCHITECTURES
+from .facts import LLAMA_FAMILY_ARCHITECTURES, WEIGHT_FORMATS
+from .int8_weights import Int8Weight
 from .torch_cache import PreallocatedKVCache
 
 #: transformers model classes whose decoder layers this module can run.
@@ -42,18 +43,29 @@ class TorchCausalLMDecoder(torch.nn.Module):
     Args:
         model: a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (eval mode); its
             modules are used, not copied.
+        weights: ``"dense"`` (transposed copies in the model's dtype) or ``"int8"`` (weight-only int8 with
+            per-channel scales, :class:`~optimum_ipex_spec.int8_weights.Int8Weight`; bf16 models only). With
+            ``"int8"`` the model's own projection weights (and an untied LM head) are released after packing: the
+            weights are held once, and only this decoder can run the model.
 
     Raises:
-        ValueError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`.
+        ValueError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`; an unknown ``weights``;
+            ``"int8"`` for a model that is not bf16.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, weights: str = "dense"):
         super().__init__()
         if not self.supports(model):
             raise ValueError(
                 f"{type(model).__name__} is not supported by the pure-PyTorch decoder ({', '.join(SUPPORTED_ARCHITECTURES)}"
                 ", with the model-level rotary embedding of transformers >= 4.48)"
             )
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+        if weights == "int8" and model.dtype != torch.bfloat16:
+            raise ValueError(f"int8 weights run with bf16 activations; this model is {model.dtype}: load it with "
+                             "torch_dtype=torch.bfloat16")
+        self.weights = weights
         config = model.config
         self.model = model
         self.num_heads = config.num_attention_heads
@@ -65,23 +77,35 @@ class TorchCausalLMDecoder(torch.nn.Module):
         if type(model).__name__ == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
             window = None
         self.sliding_window: Optional[int] = window
-        self._layers = [self._pack(layer) for layer in model.model.layers]
-        self._lm_head_t = model.lm_head.weight.detach().t().contiguous()  # [hidden, vocab]
+        self._layers = []
+        for layer in model.model.layers:
+            self._layers.append(self._pack(layer))
+            if weights == "int8":  # hold the weights once: ours, int8
+                _release(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                         layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+        self._lm_head = self._matrix(model.lm_head.weight)  # [hidden, vocab] dense, or int8
+        if weights == "int8" and model.lm_head.weight is not model.model.embed_tokens.weight:
+            _release(model.lm_head)  # an untied head; a tied one is still the embedding
 
-    @staticmethod
-    def _pack(layer) -> tuple:
-        """(qkv_t [hidden, q+k+v], qkv_bias or None, o_t [heads*head_dim, hidden], gate_up_t [hidden, 2*inter],
-        down_t [inter, hidden]) for one decoder layer; copies, so the transformers model stays untouched."""
+    def _matrix(self, weight: torch.Tensor):
+        """One projection as this decoder multiplies it: ``x @ m`` with ``m`` the transposed dense weight
+        ``[in, out]``, or an :class:`Int8Weight` (called)."""
+        if self.weights == "int8":
+            return Int8Weight(weight, torch.bfloat16)
+        return weight.detach().t().contiguous()
+
+    def _pack(self, layer) -> tuple:
+        """(qkv [hidden -> q+k+v], qkv_bias or None, o [heads*head_dim -> hidden], gate_up [hidden -> 2*inter],
+        down [inter -> hidden]) for one decoder layer, each as :meth:`_matrix` makes it; copies."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv_t = torch.cat([p.weight.detach() for p in projections], 0).t().contiguous()
+        qkv = self._matrix(torch.cat([p.weight.detach() for p in projections], 0))
         bias = None
         if any(p.bias is not None for p in projections):
             bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
                               for p in projections])
-        gate_up_t = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0).t().contiguous()
-        return (qkv_t, bias, attn.o_proj.weight.detach().t().contiguous(), gate_up_t,
-                mlp.down_proj.weight.detach().t().contiguous())
+        gate_up = self._matrix(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0))
+        return (qkv, bias, self._matrix(attn.o_proj.weight), gate_up, self._matrix(mlp.down_proj.weight))
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -125,9 +149,12 @@ class TorchCausalLMDecoder(torch.nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = self._mask(attention_mask, past, q, unpadded)
         causal = mask is None and q > 1  # an unpadded prefill
+        # a decode step with grouped-query attention: SDPA's GQA path falls back to its slow math kernel on CPU
+        # (250 us per layer over 300 cached tokens here); as rows of one query per key/value head, 25 us
+        grouped_rows = mask is None and q == 1 and self.kv_heads != self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
-        for index, (layer, (qkv_t, qkv_bias, o_t, gate_up_t, down_t)) in enumerate(zip(inner.layers, self._layers)):
-            qkv = layer.input_layernorm(hidden) @ qkv_t
+        for index, (layer, (qkv_m, qkv_bias, o_m, gate_up_m, down_m)) in enumerate(zip(inner.layers, self._layers)):
+            qkv = _project(layer.input_layernorm(hidden), qkv_m)
             if qkv_bias is not None:
                 qkv = qkv + qkv_bias
             query, key, value = qkv.split((q_size, kv_size, kv_size), dim=-1)
@@ -137,11 +164,28 @@ class TorchCausalLMDecoder(torch.nn.Module):
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin
             keys, values = cache.write(index, key, value)
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
-                                                 scale=self.scaling,
-                                                 enable_gqa=self.kv_heads != self.num_heads)
-            hidden = hidden + out.transpose(1, 2).reshape(batch, q, q_size) @ o_t
-            gate, up = (layer.post_attention_layernorm(hidden) @ gate_up_t).chunk(2, dim=-1)
-            hidden = hidden + (layer.mlp.act_fn(gate) * up) @ down_t
+            if grouped_rows:  # one token, no mask: the heads that share a key/value head are rows of one query
+                out = F.scaled_dot_product_attention(
+                    query.reshape(batch, self.kv_heads, self.num_heads // self.kv_heads, self.head_dim), keys,
+                    values, scale=self.scaling).reshape(batch, self.num_heads, 1, self.head_dim)
+            else:
+                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
+                                                     scale=self.scaling,
+                                                     enable_gqa=self.kv_heads != self.num_heads)
+            hidden = hidden + _project(out.transpose(1, 2).reshape(batch, q, q_size), o_m)
+            gate, up = _project(layer.post_attention_layernorm(hidden), gate_up_m).chunk(2, dim=-1)
+            hidden = hidden + _project(layer.mlp.act_fn(gate) * up, down_m)
         cache.advance(q)
-        return inner.norm(hidden) @ self._lm_head_t
+        return _project(inner.norm(hidden), self._lm_head)
+
+
+def _project(x: torch.Tensor, matrix) -> torch.Tensor:
+    """``x [..., in] -> [..., out]`` through a packed projection (a transposed dense weight or an int8 one)."""
+    return x @ matrix if isinstance(matrix, torch.Tensor) else matrix(x)
+
+
+def _release(*linears: torch.nn.Linear) -> None:
+    """Drop the weights of ``nn.Linear`` modules whose packed copy replaced them (shape kept in ``out_features`` /
+    ``in_features``); the module then fails loudly if anything still calls it."""
+    for linear in linears:
+        linear.weight = torch.nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)

@@ -15,18 +15,25 @@ from .torch_decoder import TorchDecoderRunner
 __all__ = ["Runner", "EagerRunner", "IPEXGraphRunner", "TorchDecoderRunner", "make_runner"]
 
 
-def make_runner(backend: str, model, config, dtype, verify_model: Optional[object] = None) -> Runner:
+def make_runner(backend: str, model, config, dtype, verify_model: Optional[object] = None,
+                weights: str = "dense") -> Runner:
     """The runner for ``model``: IPEX's graphs (``backend="ipex"``; ``model`` is the decode graph), else our
-    pure-PyTorch decoder where it supports the architecture, else transformers' forward (logged once).
+    pure-PyTorch decoder where it supports the architecture (holding its weights as ``weights`` says), else
+    transformers' forward (logged once).
 
     Raises:
-        ValueError: ``backend`` other than "ipex" / "torch".
+        ValueError: ``backend`` other than "ipex" / "torch"; ``weights="int8"`` with the IPEX backend or an
+            architecture our decoder does not run.
     """
+    if weights != "dense" and (backend != "torch" or not TorchCausalLMDecoder.supports(model)):
+        raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder (backend='torch', "
+                         f"{', '.join(LLAMA_FAMILY_ARCHITECTURES)}); got backend={backend!r}, "
+                         f"{type(model).__name__}")
     if backend == "ipex":
         return IPEXGraphRunner(model, verify_model, config, dtype)
     if backend != "torch":
         raise ValueError(f"backend must be 'ipex' or 'torch', got {backend!r}")
     if TorchCausalLMDecoder.supports(model):
-        return TorchDecoderRunner(model, dtype)
+        return TorchDecoderRunner(model, dtype, weights)
     log_eager_once(type(model).__name__, ", ".join(LLAMA_FAMILY_ARCHITECTURES))
     return EagerRunner(model)

@@ -23,10 +23,17 @@ class TorchDecoderRunner(Runner):
     backend = "torch"
     can_draft = True
 
-    def __init__(self, model, dtype):
-        self.decoder = TorchCausalLMDecoder(model)
-        self.eager = EagerRunner(model)
+    def __init__(self, model, dtype, weights: str = "dense"):
+        self.decoder = TorchCausalLMDecoder(model, weights=weights)
+        # int8: the model's own projection weights are gone, so transformers' forward cannot run it
+        self.eager = EagerRunner(model) if weights == "dense" else None
         self.dtype = dtype
+
+    def _eager(self, what: str) -> EagerRunner:
+        if self.eager is None:
+            raise ValueError(f"{what} needs transformers' own forward, which a model with int8 weights (held once, "
+                             "by our decoder) cannot run; use a dense model (weights='dense') for it")
+        return self.eager
 
     def serves(self, cache, kwargs=None) -> bool:
         """True when the decoder (not transformers' forward) runs a call with this cache and these arguments."""
@@ -39,7 +46,9 @@ class TorchDecoderRunner(Runner):
         """Raises:
             ValueError: empty or non-2-D ``input_ids``; a non-empty cache of another batch size."""
         if not self.serves(cache, kwargs):
-            return self.eager.forward(input_ids, attention_mask, cache, position_ids, use_cache, kwargs)
+            what = "a transformers cache" if cache is not None and not isinstance(cache, PreallocatedKVCache) else (
+                ", ".join(name for name in _EAGER_ONLY if (kwargs or {}).get(name) not in (None, False)))
+            return self._eager(what).forward(input_ids, attention_mask, cache, position_ids, use_cache, kwargs)
         import torch
 
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
@@ -61,7 +70,8 @@ class TorchDecoderRunner(Runner):
 
     def prepare_inputs_for_generation(self, input_ids, cache, attention_mask, kwargs):
         if not self.serves(cache):
-            return self.eager.prepare_inputs_for_generation(input_ids, cache, attention_mask, kwargs)
+            return self._eager("a transformers cache").prepare_inputs_for_generation(input_ids, cache,
+                                                                                      attention_mask, kwargs)
         past = cache.get_seq_length() if cache is not None else 0
         return {
             "input_ids": input_ids[:, past:],
