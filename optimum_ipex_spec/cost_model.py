@@ -17,9 +17,11 @@ chose ``k`` (the median of the last few per ``k``; linear between measured lengt
 rejections). For the report, the round is also split into the candidate generator's time (draft) and the rest
 (verification), per ``n``.
 
-Start: one round at ``k0 = 2`` (the draft's prefill; for generators that can start late, ours, a plain round
-before it: the target's prefill, so that with a draft the first token comes as soon as without one), not
-measured; then one plain decode step and ``k0`` again, measured; from then on every round is chosen; a length not measured yet is costed on the line through the measured ones (round
+Start: one round at ``k0 = 2`` (the draft's prefill), not measured, one plain decode step and ``k0`` again,
+measured. Generators that can start late (ours) start with three plain rounds instead (the first is the target's
+prefill, so the first token comes as soon as without a draft, and an answer of a few tokens never waits for the
+draft's prefill; the other two are measured), then ``k0`` twice (the first carries the draft's prefill, the second
+is measured). From then on every round is chosen; a length not measured yet is costed on the line through the measured ones (round
 time grows about linearly with ``k``: draft steps plus a slowly growing verification; beyond the longest measured
 length optimistically, :data:`OPTIMISM`), and measured once chosen; every :data:`EXPLORE_EVERY` drafting rounds
 one round re-measures a neighbouring length. While the best
@@ -94,7 +96,7 @@ class CostModel:
         first_tokens: ``k0``, the length of the first rounds.
         probe_budget: share of plain-decoding time that probing an idle draft may cost.
         decay: weight of earlier acceptance counts per new round.
-        plain_first: start with a plain round, so that the draft's prefill is not on the way to the first token;
+        plain_first: start with plain rounds, so that the draft's prefill is not on the way to the first tokens;
             only for generators that can start at any length (transformers' own expect their first call at the
             prompt's length).
 
@@ -138,9 +140,11 @@ class CostModel:
                              f"{self.accepted!r} and {self.rejections!r}")
         self.first_tokens = min(self.first_tokens, self.max_tokens)
         # the draft's first round (its prefill), then one plain round and one of k0 that are measured; with
-        # plain_first, a plain round before them all (the target's prefill: the first token as early as without a
-        # draft)
-        self._plan = [0] * self.plain_first + [self.first_tokens, 0, self.first_tokens]
+        # plain_first, three plain rounds first (the target's prefill: the first token as early as without a draft;
+        # an answer of a few tokens never waits for the draft's prefill; the plain rounds are measured), then the
+        # draft's first round and one of k0 that is measured
+        first = self.first_tokens
+        self._plan = [0, 0, 0, first, first] if self.plain_first else [first, 0, first]
 
     # ------------------------------------------------------------------ estimates
     @property
