@@ -124,6 +124,7 @@ def run_assisted(path, tokenizer, prompts, args, bar):
                     {"assistant_model": target.self_draft(weights="int8"), "_k": 8, "_schedule": "cost"}))
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
     identical = {name: True for name, _, _ in configs}
+    views = {}  # the cost model's report of every run of a "cost" row
     for _ in range(args.rounds):
         for i, prompt in enumerate(prompts):
             inputs = tokenizer(prompt, return_tensors="pt")
@@ -139,6 +140,8 @@ def run_assisted(path, tokenizer, prompts, args, bar):
                     assistant.last_speculation_stats = None
                     extra["num_assistant_tokens_schedule"] = schedule  # passed: "constant" means constant
                 out, timing = timed_generate(model, inputs, **gen, **extra)
+                if schedule == "cost" and target.last_cost_model is not None:
+                    views.setdefault(name, []).append(target.last_cost_model.report())
                 stats = assistant.last_speculation_stats if k is not None else None
                 reference = out if reference is None else reference
                 identical[name] &= torch.equal(out, reference)
@@ -167,6 +170,7 @@ def run_assisted(path, tokenizer, prompts, args, bar):
             "mean_tokens_per_target_forward": (statistics.mean(s.mean_accepted_per_round for s in stats)
                                                if stats else None),
             "token_identical_to_target_alone": identical[name],
+            **({"cost_model": _cost_model_view(views[name])} if name in views else {}),
             "per_prompt": [
                 {
                     "prompt": i,
@@ -179,6 +183,29 @@ def run_assisted(path, tokenizer, prompts, args, bar):
             ],
         })
     return rows
+
+
+def _cost_model_view(reports):
+    """The cost model's view over a row's runs (``CostModel.report()`` of each): medians of its measurements, the
+    share of rounds it spent without drafting and its most chosen draft lengths."""
+    def median_of(key):
+        values = [r[key] for r in reports if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    chosen = {}
+    for report in reports:
+        for k, count in report["chosen_k"].items():
+            chosen[int(k)] = chosen.get(int(k), 0) + count
+    rounds = sum(r["rounds"] for r in reports)
+    return {
+        "decode_ms": median_of("decode_ms"),
+        "draft_ms_per_token": median_of("draft_ms_per_token"),
+        "alpha": median_of("alpha"),
+        "rounds_off_share": sum(r["rounds_off"] for r in reports) / rounds if rounds else None,
+        "probes": sum(r["probes"] for r in reports),
+        "top_k": sorted(chosen, key=lambda k: -chosen[k])[:3],
+        "runs": len(reports),
+    }
 
 
 def _tokens_per_forward(stats):
@@ -380,6 +407,19 @@ def _speculation_tables(result, plots):
                 f"{_fmt(row['acceptance_rate'], '.1%')} | {_fmt(row['mean_tokens_per_target_forward'], '.2f')} | "
                 f"{'identical to target alone' if row['token_identical_to_target_alone'] else 'DIFFERENT'} |"
             )
+        viewed = [row for row in result["assisted"] if row.get("cost_model")]
+        if viewed:
+            lines += ["", "The cost model's view (`target.last_cost_model.report()`, medians over the row's runs): the "
+                      "target's decode step and the draft's time per token as it measured them, its acceptance "
+                      "estimate, the share of rounds it decoded without the draft, and its most chosen lengths.", "",
+                      "| configuration | decode ms | draft ms/token | acceptance estimate | rounds without draft | "
+                      "probes | most chosen k |", "|---|---|---|---|---|---|---|"]
+            for row in viewed:
+                view = row["cost_model"]
+                lines.append(f"| {row['config']} | {_fmt(view['decode_ms'], '.1f')} | "
+                             f"{_fmt(view['draft_ms_per_token'], '.1f')} | {_fmt(view['alpha'], '.2f')} | "
+                             f"{_fmt(view['rounds_off_share'], '.0%')} | {view['probes']} | "
+                             f"{', '.join(map(str, view['top_k']))} |")
         lines += ["", "Per prompt (prompts alternate: even = HumanEval code completion, odd = chatterbot question):", "",
                   "| configuration | prompt | kind | decode ratio | end-to-end ratio | acceptance rate |",
                   "|---|---|---|---|---|---|"]
