@@ -49,8 +49,8 @@ from .facts import (
     check_causal_lm_config,
     dtype_name,
     is_provisioned_name,
-    WEIGHT_FORMATS,
     resolve_dtype,
+    WEIGHT_FORMATS,
 )
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
@@ -618,6 +618,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         model = model.to(dtype).eval()
         generation_config = generation_config or getattr(model, "generation_config", None)
         if weights != "dense":  # our decoder's format (make_runner checks the architecture and dtype)
+            if backend == "ipex":
+                raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder: pass backend='auto' or "
+                                 "'torch', or weights='dense' for IPEX")
             return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config,
                        source=source, weights=weights)
         if cls._choose_backend(backend, config) == "ipex":

@@ -96,3 +96,6 @@ def test_int8_refusals_are_clear(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="bf16 activations"):
         IPEXModelForCausalLM.from_transformers_model(AutoModelForCausalLM.from_pretrained(path), backend="torch",
                                                      weights="int8")
+    with pytest.raises(ValueError, match="pure-PyTorch decoder"):  # not silently another backend
+        IPEXModelForCausalLM.from_transformers_model(
+            AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16), backend="ipex", weights="int8")
