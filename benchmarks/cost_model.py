@@ -1,9 +1,13 @@
 """The cost model's draft lengths against transformers' constant schedule and the target alone.
 
 Pairs (1 thread, greedy, fp32 targets, one process, interleaved rounds, best of rounds per configuration):
-SmolLM2-135M fp32 + its bf16 self-draft, and universal assisted generation with Gemma 3 270M as target and
+SmolLM2-135M fp32 + its bf16 self-draft; SmolLM2-135M fp32 + a draft of the same architecture with random
+weights (useless: it never agrees); universal assisted generation with Gemma 3 270M as target and
 SmolLM2-135M as draft (different tokenizers). Output must be identical to the target alone (asserted).
 Writes docs/benchmarks-cost-model.md.
+
+Check (exit status 1 when it fails): with the useless draft, the cost model spends most rounds without the draft
+and the run is within 10% of the target alone (issue: speculation that always pays).
 
     python benchmarks/cost_model.py [--new-tokens 128] [--rounds 2]
 """
@@ -29,12 +33,42 @@ def _pairs():
 
     smol = IPEXModelForCausalLM.from_pretrained("smollm2-135m-instruct", export=True)
     smol_tok = AutoTokenizer.from_pretrained(smol.source)
-    yield ("SmolLM2 fp32 + bf16 self-draft", smol, smol.self_draft(), {},
-           [("code", humaneval_prompts()[0]), ("chat", chat_prompts(smol_tok)[1])], smol_tok)
+    smol_prompts = [("code", humaneval_prompts()[0]), ("chat", chat_prompts(smol_tok)[1])]
+    yield ("SmolLM2 fp32 + bf16 self-draft", smol, smol.self_draft(), {}, smol_prompts, smol_tok)
+    yield (USELESS, smol, _random_draft(smol.source), {}, smol_prompts, smol_tok)
     gemma = IPEXModelForCausalLM.from_pretrained("gemma3-270m", export=True)
     gemma_tok = AutoTokenizer.from_pretrained(gemma.source)
     yield ("Gemma 3 270M + SmolLM2 (universal)", gemma, smol, dict(tokenizer=gemma_tok, assistant_tokenizer=smol_tok),
            [("code", humaneval_prompts()[0]), ("news", news_articles()[0][:400])], gemma_tok)
+
+
+USELESS = "SmolLM2 fp32 + random-weights draft (useless)"
+
+
+def _random_draft(source: str):
+    """A bf16 draft of the target's architecture and tokenizer with seeded random weights: its proposals are
+    (almost) never accepted."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optimum_ipex_spec import IPEXModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), torch_dtype=torch.bfloat16)
+    return IPEXModelForCausalLM.from_transformers_model(model.eval(), dtype=torch.bfloat16)
+
+
+def useless_draft_failures(rows) -> list:
+    """The rows of the useless draft that break the check: below x0.90 of the target alone, or fewer rounds
+    without the draft than with it."""
+    failures = []
+    for row in rows:
+        if row["pair"] != USELESS:
+            continue
+        view = row["cost_model"]
+        drafted = sum(n for k, n in view["chosen_k"].items() if int(k) > 0)
+        if row["cost"] < 0.90 or view["rounds_off"] <= drafted:
+            failures.append(f"{row['prompt']}: x{row['cost']}, {view['rounds_off']} rounds off, {drafted} drafting")
+    return failures
 
 
 def main(argv=None) -> int:
@@ -86,8 +120,14 @@ def main(argv=None) -> int:
         lines.append(f"| {row['pair']} | {row['prompt']} | {row['alone_tok_s']} | x{row['cost']} | x{row['constant']} | "
                      f"{view['chosen_k']} | {view['rounds_off']} / {view['probes']} | {view['decode_ms']} | "
                      f"{view['draft_ms_per_token']} | {view['alpha']} |")
+    failures = useless_draft_failures(rows)
+    lines += ["", "Check, the useless draft (random weights): within 10% of the target alone and most rounds without "
+              "the draft: " + ("**failed**: " + "; ".join(failures) if failures else "passed") + "."]
     DOC.write_text("\n".join(lines) + "\n")
     print(f"wrote {DOC}")
+    if failures:
+        print("useless-draft check failed: " + "; ".join(failures))
+        return 1
     return 0
 
 

@@ -5,7 +5,8 @@ IPEX's ``masked_multihead_self_attention`` keeps, per decoder layer, a 4-tuple
 * ``seq_info``  int64 ``[1, L, L, 1]``: only its shape is read; ``L = size(-2)`` is the cached length;
 * ``key``       ``[max_positions, batch, kv_heads, head_dim]`` in the model dtype, preallocated;
 * ``value``     same as ``key``;
-* ``beam_idx``  int64 ``[max_positions + 2, batch]``.
+* ``beam_idx``  int64 ``[max_positions + 2, batch]``: per position the beam it came from (0 for us: no beam search);
+  its last two rows hold the prompt's length and batch size (read by the kernel at row ``max_positions``).
 
 The kernel writes new keys/values in place at rows ``L .. L+q-1``. Cropping to ``n`` tokens
 therefore only needs a new ``seq_info`` of shape ``[1, n, n, 1]``: rows past ``n`` are overwritten
@@ -67,6 +68,35 @@ class IPEXFusedCache(DynamicCache):
     def replace(self, layers: Tuple[Tuple[torch.Tensor, ...], ...]) -> None:
         """Adopt the per-layer tuples returned by the traced graph after a forward."""
         self.ipex_layers = layers
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` tokens in every layer's key/value buffers, as IPEX's kernel does when a
+        forward would pass their end: capacity doubles (or becomes ``positions``), held rows are copied, new
+        ``beam_idx`` rows repeat row 0 and its two bookkeeping rows move to the new end. The exact verify graph writes a chunk's keys/values itself and calls no
+        kernel that could grow the buffers, so the runner reserves before it runs.
+
+        Args:
+            positions: tokens the next forward will hold (cached + new).
+        """
+        info, key = self.ipex_layers[0][0], self.ipex_layers[0][1]
+        if info.size(-2) == 0 or key.size(0) >= positions:
+            return  # nothing held yet (IPEX allocates the buffers on prefill), or room enough
+        size = max(2 * key.size(0), positions)
+        grown = []
+        for info, key, value, beam_idx in self.ipex_layers:
+            held = key.size(0)
+            new_key = key.new_empty((size,) + tuple(key.shape[1:]))
+            new_value = value.new_empty((size,) + tuple(value.shape[1:]))
+            new_key[:held].copy_(key)
+            new_value[:held].copy_(value)
+            # IPEX keeps two rows after the capacity (the prompt's length and batch size): they move to the end
+            extra = max(beam_idx.size(0) - held, 0)
+            new_beam = beam_idx.new_empty((size + extra,) + tuple(beam_idx.shape[1:]))
+            new_beam[:held].copy_(beam_idx[:held])
+            new_beam[held:size] = beam_idx[:1]
+            new_beam[size:].copy_(beam_idx[held:])
+            grown.append((info, new_key, new_value, new_beam))
+        self.ipex_layers = tuple(grown)
 
     # -- transformers Cache API --------------------------------------------------------------------
     def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:

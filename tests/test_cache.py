@@ -47,3 +47,24 @@ def test_repr_and_unsupported_ops():
         cache.reorder_cache(torch.tensor([0]))
     with pytest.raises(NotImplementedError):
         cache.update(None, None, 0)
+
+
+@pytest.mark.parametrize("past, chunk", [(2045, 6), (2040, 8), (30, 9)])
+def test_verify_chunk_across_the_buffer_end_then_decode(past, chunk, ipex_available):
+    """The verify graph writes a chunk's keys/values itself; the cache grows first when the chunk passes IPEX's
+    2048 preallocated rows (IPEXFusedCache.reserve). The chunk's logits and the decode steps after it match the
+    stock model."""
+    ref = build_tiny("llama", vocab_size=512)
+    model = IPEXModelForCausalLM.from_transformers_model(copy_model(ref))
+    ids = torch.randint(3, 512, (1, past + chunk + 3), generator=torch.Generator().manual_seed(past))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        cache = model(ids[:, :past]).past_key_values
+        capacity = cache.ipex_layers[0][1].size(0)
+        got = model(ids[:, past: past + chunk], past_key_values=cache).logits
+        assert cache.get_seq_length() == past + chunk
+        if past + chunk > capacity:
+            assert cache.ipex_layers[0][1].size(0) >= past + chunk  # grown before the chunk was written
+        steps = [model(ids[:, i: i + 1], past_key_values=cache).logits for i in range(past + chunk, ids.shape[1])]
+    torch.testing.assert_close(got, expected[:, past: past + chunk], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, 1), expected[:, past + chunk:], atol=1e-5, rtol=1e-5)

@@ -88,6 +88,8 @@ class IPEXGraphRunner(Runner):
         if graph is None:
             logits = self._chunk_token_by_token(input_ids, attention_mask, position_ids, cache)
             return output(logits, cache, use_cache)
+        if graph is self.verify and q > 1:
+            cache.reserve(past + q)  # the verify graph writes the chunk into the buffers without growing them
         previous = torch.jit.set_fusion_strategy(GRAPH_FUSION_STRATEGY)
         try:
             logits, layers = graph(

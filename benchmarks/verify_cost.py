@@ -1,0 +1,55 @@
+"""What verifying k draft tokens costs the target, against one decode step.
+
+For an exported model (default SmolLM2-135M), 1 thread: prefill a cache of ``--past`` random tokens once, then
+in each of ``--rounds`` rounds run, interleaved, a forward of k tokens on that cache for every k (the cache is
+cropped back after each). Prints the median milliseconds per k and the ratio to k = 1 (the decode graph; k > 1
+runs the exact verify graph). The machine's noise moves the milliseconds; the ratios are the result.
+
+    python benchmarks/verify_cost.py [--model smollm2-135m-instruct] [--dtype float32] [--past 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model id, name or export folder")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--past", type=int, default=300, help="cached tokens before each forward")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 5, 9, 12, 16], help="chunk lengths")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    from optimum_ipex_spec import IPEXModelForCausalLM
+
+    model = IPEXModelForCausalLM.from_pretrained(args.model, export=True, torch_dtype=getattr(torch, args.dtype))
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    times = {k: [] for k in args.k}
+    with torch.no_grad():
+        cache = model(torch.randint(0, vocab, (1, args.past), generator=generator)).past_key_values
+        for _ in range(args.rounds):
+            for k in args.k:
+                cache.crop(args.past)
+                ids = torch.randint(0, vocab, (1, k), generator=generator)
+                start = time.perf_counter()
+                model(ids, past_key_values=cache)
+                times[k].append(time.perf_counter() - start)
+    one = statistics.median(times[min(args.k)])
+    print(f"{args.model} {args.dtype}, {model.backend} backend, cache of {args.past} tokens, 1 thread, "
+          f"median of {args.rounds}")
+    print("| k | ms | x one-token decode |\n|---|---|---|")
+    for k, values in times.items():
+        median = statistics.median(values)
+        print(f"| {k} | {1e3 * median:.1f} | {median / one:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
