@@ -13,7 +13,7 @@ A round costs ``T(k)``: drafting ``k`` tokens, the target's forward over ``k + 1
 measured, so the model can also decide that drafting does not pay at all.
 
 Measured online (wall clock): ``T(k)``, the time from one round's start to the next round's start for rounds that
-chose ``k`` (the median of the last few per ``k``; linear between measured lengths); ``alpha``, the maximum-likelihood estimate of the geometric model from decayed counts (accepted tokens,
+chose ``k`` (the fastest of the last few per ``k``: interference only adds time; linear between measured lengths); ``alpha``, the maximum-likelihood estimate of the geometric model from decayed counts (accepted tokens,
 rejections). For the report, the round is also split into the candidate generator's time (draft) and the rest
 (verification), per ``n``.
 
@@ -27,7 +27,7 @@ length optimistically, :data:`OPTIMISM`), and measured once chosen; every :data:
 one round re-measures a neighbouring length. While the best
 ``k`` is 0 the draft idles for 8 plain rounds, then 16, 32, ... and is probed again with ``k = 1`` (the probe's
 cost includes the draft's catch-up); the doubling stops where a probe costs :attr:`CostModel.probe_budget` of the
-plain rounds around it.
+plain rounds around it. A probe whose token is accepted is followed by a measured ``k0`` round.
 
 Losslessness is unaffected: only how many tokens are proposed changes; every proposal is still verified.
 """
@@ -43,7 +43,7 @@ from typing import Callable, Deque, Dict, List, Optional
 
 #: ``num_assistant_tokens_schedule`` value that selects this model (also the default for our targets)
 COST_SCHEDULE = "cost"
-#: observations kept per round length (their median is the estimate)
+#: observations kept per round length (the fastest is the estimate; the report gives their median)
 WINDOW = 5
 #: every this many chosen drafting rounds, one round re-measures a neighbouring length (twice as long, or half as
 #: long at the cap), so that a length costed once on a noisy round is not avoided for the rest of the call
@@ -142,7 +142,8 @@ class CostModel:
         # the draft's first round (its prefill), then one plain round and one of k0 that are measured; with
         # plain_first, three plain rounds first (the target's prefill: the first token as early as without a draft;
         # an answer of a few tokens never waits for the draft's prefill; the plain rounds are measured), then the
-        # draft's first round and one of k0 that is measured
+        # draft's first round and one of k0 that is measured (if that one was slowed down by other work and turns
+        # the draft off, the first accepted probe re-measures k0)
         first = self.first_tokens
         self._plan = [0, 0, 0, first, first] if self.plain_first else [first, 0, first]
 
@@ -152,8 +153,10 @@ class CostModel:
         return self.accepted / (self.accepted + self.rejections)
 
     def round_s(self, k: int) -> Optional[float]:
-        """Estimated seconds of a round that verifies ``k`` proposals (``k = 0``: a plain decode step)."""
-        return _interpolate(_medians(self.round_times), k)
+        """Estimated seconds of a round that verifies ``k`` proposals (``k = 0``: a plain decode step): the fastest
+        of the last :data:`WINDOW` rounds per length (interference from other work on the machine only adds
+        time, so one slow round must not price a length out), interpolated between lengths."""
+        return _interpolate(_fastest(self.round_times), k)
 
     def tokens(self, k: int) -> float:
         """Expected tokens a round choosing ``k`` yields: ``E`` of the proposals the target gets to verify, ``k``
@@ -236,6 +239,12 @@ class CostModel:
             self.accepted = self.decay * self.accepted + accepted
             self.rejections = self.decay * self.rejections + (1.0 if accepted < verified else 0.0)
 
+    def probe_accepted(self) -> None:
+        """The probe's token was accepted: the next round drafts ``k0`` and is measured, so that the lengths'
+        costs are re-measured, not only the acceptance (the draft may have been turned off by slow rounds)."""
+        if not self._plan and self._off_left == 0:
+            self._plan.append(self.first_tokens)
+
     def observe_time(self, k: int, round_s: float, draft_s: float, probe: bool = False, accepted: int = 0) -> None:
         """A measured round that chose ``k``: ``round_s`` seconds from its start to the next round's, ``draft_s`` of
         them in the candidate generator. A probe's time goes to the probe overhead only (it includes the draft's
@@ -266,6 +275,10 @@ class CostModel:
             "rounds_off": self.rounds_off,
             "probes": self.probes,
         }
+
+
+def _fastest(table: Dict[int, Deque[float]]) -> Dict[int, float]:
+    return {k: min(values) for k, values in table.items() if values}
 
 
 def _medians(table: Dict[int, Deque[float]]) -> Dict[int, float]:
@@ -328,6 +341,8 @@ def speculate_by_cost(generator, model: CostModel, clock: Callable[[], float] = 
         verified = scores.shape[1] - 1 if scores is not None else 0
         previous.update(verified=True, accepted=int(num_matches))
         model.observe(verified, int(num_matches), k=previous["k"])
+        if previous["probe"] and num_matches > 0:
+            model.probe_accepted()
         if previous.get("called"):
             return inner_update(input_ids, scores, num_matches, *args, **kwargs)
         return None

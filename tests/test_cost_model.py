@@ -97,6 +97,25 @@ def test_the_draft_comes_back_when_it_starts_to_agree():
     assert report["draft_ms_per_token"] == pytest.approx(10.0)
 
 
+def test_one_slow_round_does_not_turn_a_good_draft_off_for_long():
+    """Interference from other work only adds time: one slow measured round may turn a good draft off, but the
+    lengths are costed by their fastest round and the first accepted probe re-measures, so drafting resumes."""
+    clock = _Clock()
+    generator = _Simulated(clock, draft=0.01, decode=0.05, verify_slope=0.004, accept=lambda i: True)
+    inner = generator.get_candidates
+
+    def slow_second_call(ids):
+        if generator.calls == 1:  # the first measured drafting round (the call before carries the prefill)
+            clock.now += 0.5
+        return inner(ids)
+
+    generator.get_candidates = slow_second_call
+    model = CostModel(max_tokens=8)
+    speculate_by_cost(generator, model, clock=clock)
+    _run(generator, model, clock, rounds=40)
+    assert model.probes >= 1 and model.rounds_off <= 10 and model.chosen[8] >= 20
+
+
 def test_a_generator_without_a_length_attribute_is_cut():
     clock = _Clock()
     generator = _Simulated(clock, draft=0.0, decode=0.05, verify_slope=0.0, accept=lambda i: True)
