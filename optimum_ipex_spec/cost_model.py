@@ -3,31 +3,38 @@ machine and pick each round's draft length ``k`` (0 = plain decoding) that maxim
 
 Model (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", arXiv 2211.17192,
 section 3): if each draft token is accepted with probability ``alpha`` independently, a round that proposes ``k``
-tokens yields ``E(k) = (1 - alpha^(k+1)) / (1 - alpha)`` tokens (the accepted prefix plus the target's own token);
-``k`` is scaled by the measured share of proposals the target gets to verify (a draft of another tokenizer
-proposes ``k`` of its own tokens, which become some other number of target tokens; a draft may stop early).
+tokens yields ``E(k) = (1 - alpha^(k+1)) / (1 - alpha)`` tokens (the accepted prefix plus the target's own token).
+:class:`PositionAcceptance` generalises this to ``E(k) = 1 + sum_{i=1..k} p_1 ... p_i`` with a rate per position
+(``p_i``: proposal ``i`` accepted given ``1..i-1`` were; SpecDec++, Huang et al. 2024, arXiv 2405.19715, predicts
+it with a trained head); one rate for all positions is the default, because per-position counts, replayed on real
+traces, got stuck at short rounds (a round of ``k`` says nothing about position ``k + 1``) and lost to it
+(``benchmarks/acceptance_replay.py``, docs/assisted-generation.md). ``k`` is scaled by the measured share of
+proposals the target gets to verify (a draft of another tokenizer proposes ``k`` of its own tokens, which become
+some other number of target tokens; a draft may stop early).
 A round costs ``T(k)``: drafting ``k`` tokens, the target's forward over ``k + 1`` tokens and the loop's own work;
 ``k = 0`` is one plain decode step, ``E(0) = 1``. Each round proposes the ``k`` in ``0..max_tokens`` that maximises
-``E(k) / T(k)``. Choosing the length from a model of acceptance is also what SpecDec++ (Huang et al. 2024, arXiv
-2405.19715) and Dynamic Speculation Lookahead (Mamou et al. 2024, arXiv 2405.04304) do; here the costs are
-measured, so the model can also decide that drafting does not pay at all.
+``E(k) / T(k)``. Choosing the length from a model of acceptance is also what SpecDec++ and Dynamic Speculation
+Lookahead (Mamou et al. 2024, arXiv 2405.04304) do; here the costs are measured, so the model can also decide that
+drafting does not pay at all.
 
 Measured online (wall clock): ``T(k)``, the time from one round's start to the next round's start for rounds that
-chose ``k`` (the fastest of the last few per ``k``: interference only adds time; linear between measured lengths); ``alpha``, the maximum-likelihood estimate of the geometric model from decayed counts (accepted tokens,
-rejections). For the report, the round is also split into the candidate generator's time (draft) and the rest
+chose ``k`` (the fastest of the last few per ``k``: interference only adds time; linear between measured
+lengths; until a plain step is measured, its cost is bounded by the fastest verification, which is a forward over
+more tokens); acceptance, from decayed counts of the proposals reached and accepted, with a prior of 0.5 worth one
+round. For the report, the round is also split into the candidate generator's time (draft) and the rest
 (verification), per ``n``.
 
 Start: one round at ``k0 = 2`` (the draft's prefill), not measured, one plain decode step and ``k0`` again,
-measured. Generators that can start late (ours) start with three plain rounds instead (the first is the target's
-prefill, so the first token comes as soon as without a draft, and an answer of a few tokens never waits for the
-draft's prefill; the other two are measured), then ``k0`` twice (the first carries the draft's prefill, the second
-is measured). From then on every round is chosen; a length not measured yet is costed on the line through the measured ones (round
-time grows about linearly with ``k``: draft steps plus a slowly growing verification; beyond the longest measured
-length optimistically, :data:`OPTIMISM`), and measured once chosen; every :data:`EXPLORE_EVERY` drafting rounds
-one round re-measures a neighbouring length. While the best
-``k`` is 0 the draft idles for 8 plain rounds, then 16, 32, ... and is probed again with ``k = 1`` (the probe's
-cost includes the draft's catch-up); the doubling stops where a probe costs :attr:`CostModel.probe_budget` of the
-plain rounds around it. A probe whose token is accepted is followed by a measured ``k0`` round.
+measured. Generators that can start late (ours) start with the target's prefill alone (so the first token comes as
+soon as without a draft), then ``k0`` twice (the first carries the draft's prefill, the second is measured);
+``CostModel.plain_rounds`` measured plain steps can be put before them. From then on every round is chosen; a
+length not measured yet is costed on the line through the measured ones (round time grows about linearly with
+``k``: draft steps plus a slowly growing verification; beyond the longest measured length optimistically,
+:data:`OPTIMISM`), and measured once chosen; every :data:`EXPLORE_EVERY` drafting rounds one round re-measures a
+neighbouring length. While the best ``k`` is 0 the draft idles for 8 plain rounds, then 16, 32, ... and is probed
+again with ``k = 1`` (the probe's cost includes the draft's catch-up); the doubling stops where a probe costs
+:attr:`CostModel.probe_budget` of the plain rounds around it. A probe whose token is accepted is followed by a
+measured ``k0`` round.
 
 Losslessness is unaffected: only how many tokens are proposed changes; every proposal is still verified.
 """
@@ -56,6 +63,73 @@ def expected_tokens(alpha: float, k: float) -> float:
     if alpha >= 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class PositionAcceptance:
+    """Acceptance of draft tokens by position in the round, from decayed counts; the positions from
+    ``pooled_from`` on share one estimate.
+
+    ``p(i)`` (``i`` from 1) estimates the probability that proposal ``i`` is accepted given that proposals
+    ``1..i-1`` were: ``(accepted + strength * prior_i) / (reached + strength)``, where ``reached`` counts the
+    proposals at that position (or, pooled, at any position from ``pooled_from`` on) that were verified with
+    everything before them accepted, ``accepted`` those accepted, ``prior_1 = prior`` and ``prior_i = p(i - 1)``.
+    Each round decays the counts it adds to by ``decay``, so the estimate follows the text being generated.
+
+    ``pooled_from = 1`` (the default) is the geometric model of Leviathan et al. 2023 (arXiv 2211.17192), one
+    rate for all positions. ``pooled_from = 2`` tells a round's first proposal from the ones after it (bursty
+    acceptance: ``p(2) > p(1)``); replayed on real traces (``benchmarks/acceptance_replay.py``) it lost to the
+    geometric model: rounds of one proposal never reach position 2, so a low early estimate of ``p(2)`` keeps
+    the rounds short.
+    """
+
+    decay: float = 0.9
+    prior: float = 0.5
+    strength: float = 1.0
+    pooled_from: int = 1
+    reached: List[float] = field(default_factory=list)
+    accepted: List[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.pooled_from, bool) or not isinstance(self.pooled_from, int) or self.pooled_from < 1:
+            raise ValueError(f"PositionAcceptance.pooled_from must be an integer >= 1, got {self.pooled_from!r}")
+        self.reached = [0.0] * self.pooled_from
+        self.accepted = [0.0] * self.pooled_from
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """A round verified ``verified`` proposals and the target accepted the first ``accepted`` of them."""
+        verified = max(0, int(verified))
+        accepted = max(0, min(int(accepted), verified))
+        reached = [0.0] * self.pooled_from
+        hits = [0.0] * self.pooled_from
+        for i in range(min(verified, accepted + 1)):  # positions 1..accepted accepted, the next one rejected
+            slot = min(i, self.pooled_from - 1)
+            reached[slot] += 1.0
+            hits[slot] += 1.0 if i < accepted else 0.0
+        for slot in range(self.pooled_from):
+            if reached[slot]:
+                self.reached[slot] = self.decay * self.reached[slot] + reached[slot]
+                self.accepted[slot] = self.decay * self.accepted[slot] + hits[slot]
+
+    def probabilities(self, n: int) -> List[float]:
+        """``[p(1), ..., p(n)]``."""
+        estimates, prior = [], self.prior
+        for slot in range(self.pooled_from):
+            prior = (self.accepted[slot] + self.strength * prior) / (self.reached[slot] + self.strength)
+            estimates.append(prior)
+        return [estimates[min(i, self.pooled_from - 1)] for i in range(n)]
+
+    def expected_tokens(self, k: float) -> float:
+        """Tokens a round of ``k`` proposals yields, the target's own token included:
+        ``1 + sum_{i<=k} p(1)...p(i)``; a fractional ``k`` (a draft of another tokenizer) is interpolated."""
+        if k <= 0:
+            return 1.0
+        whole = int(math.floor(k))
+        survive, steps = 1.0, []
+        for p in self.probabilities(whole + 1):
+            survive *= p
+            steps.append(survive)
+        return 1.0 + sum(steps[:whole]) + (k - whole) * steps[whole]
 
 
 #: lengths beyond the longest measured one are costed with this share of the last measured slope: optimistic, so
@@ -95,21 +169,30 @@ class CostModel:
         max_tokens: the largest ``k`` to consider (the draft's ``num_assistant_tokens``).
         first_tokens: ``k0``, the length of the first rounds.
         probe_budget: share of plain-decoding time that probing an idle draft may cost.
-        decay: weight of earlier acceptance counts per new round.
+        decay: weight of a position's earlier acceptance counts each time a round reaches it.
         plain_first: start with plain rounds, so that the draft's prefill is not on the way to the first tokens;
             only for generators that can start at any length (transformers' own expect their first call at the
             prompt's length).
+        plain_rounds: with ``plain_first``, the plain decode steps measured after the target's prefill and
+            before the draft's first round (the answer's first tokens never wait for the draft's prefill). With 0,
+            the draft starts on the second round, and until a plain step is measured its cost is bounded by the
+            fastest verification measured (a forward over ``k + 1`` tokens costs at least one over 1).
+        pooled_from: the draft position from which acceptance is estimated jointly (:class:`PositionAcceptance`;
+            1 = one rate for every position, the geometric model).
 
-    Attributes: ``alpha``; ``chosen`` (a Counter of the ``k`` of every round); ``rounds``; ``rounds_off`` (plain
+    Attributes: ``alpha`` (the first proposal's acceptance estimate); ``acceptance`` (a
+    :class:`PositionAcceptance`); ``chosen`` (a Counter of the ``k`` of every round); ``rounds``; ``rounds_off`` (plain
     rounds chosen); ``probes``; :meth:`report` gives the measurements in milliseconds.
     """
 
     max_tokens: int = 8
     first_tokens: int = 2
     probe_budget: float = 0.03
-    decay: float = 0.7
+    decay: float = 0.9
     plain_first: bool = False
-    accepted: float = 0.5  # pseudo-counts: alpha starts at 0.5
+    plain_rounds: int = 0
+    pooled_from: int = 1
+    accepted: float = 0.5  # pseudo-counts of the prior: the first position's acceptance starts at 0.5, worth one round
     rejections: float = 0.5
     chosen: Counter = field(default_factory=Counter)
     rounds: int = 0
@@ -125,12 +208,13 @@ class CostModel:
     _probe_next: bool = False
     _off_streak: int = 0
     _speculating: int = 0
+    acceptance: PositionAcceptance = field(default=None)
 
     def __post_init__(self):
-        for name in ("max_tokens", "first_tokens"):
+        for name, least in (("max_tokens", 1), ("first_tokens", 1), ("plain_rounds", 0), ("pooled_from", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CostModel.{name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"CostModel.{name} must be an integer >= {least}, got {value!r}")
         if not 0.0 < self.probe_budget <= 1.0:
             raise ValueError(f"CostModel.probe_budget must be a share in (0, 1], got {self.probe_budget!r}")
         if not 0.0 <= self.decay < 1.0:
@@ -139,30 +223,36 @@ class CostModel:
             raise ValueError("CostModel.accepted and .rejections are pseudo-counts of the prior and must be > 0, got "
                              f"{self.accepted!r} and {self.rejections!r}")
         self.first_tokens = min(self.first_tokens, self.max_tokens)
+        if self.acceptance is None:  # the pseudo-counts are the prior of the first position
+            self.acceptance = PositionAcceptance(decay=self.decay, prior=self.accepted / (self.accepted + self.rejections),
+                                                 strength=self.accepted + self.rejections, pooled_from=self.pooled_from)
         # the draft's first round (its prefill), then one plain round and one of k0 that are measured; with
-        # plain_first, three plain rounds first (the target's prefill: the first token as early as without a draft;
-        # an answer of a few tokens never waits for the draft's prefill; the plain rounds are measured), then the
-        # draft's first round and one of k0 that is measured (if that one was slowed down by other work and turns
-        # the draft off, the first accepted probe re-measures k0)
+        # plain_first, the target's prefill first (the first token as early as without a draft) and plain_rounds
+        # measured plain steps, then the draft's first round and one of k0 that is measured (if that one was slowed
+        # down by other work and turns the draft off, the first accepted probe re-measures k0)
         first = self.first_tokens
-        self._plan = [0, 0, 0, first, first] if self.plain_first else [first, 0, first]
+        self._plan = [0] * (1 + self.plain_rounds) + [first, first] if self.plain_first else [first, 0, first]
 
     # ------------------------------------------------------------------ estimates
     @property
     def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejections)
+        """Estimated acceptance of a round's first proposal."""
+        return self.acceptance.probabilities(1)[0]
 
     def round_s(self, k: int) -> Optional[float]:
         """Estimated seconds of a round that verifies ``k`` proposals (``k = 0``: a plain decode step): the fastest
         of the last :data:`WINDOW` rounds per length (interference from other work on the machine only adds
         time, so one slow round must not price a length out), interpolated between lengths."""
-        return _interpolate(_fastest(self.round_times), k)
+        points = _fastest(self.round_times)
+        if 0 not in points and self.verify_times:  # no plain round yet: a verification costs at least one
+            points[0] = min(_fastest(self.verify_times).values())
+        return _interpolate(points, k)
 
     def tokens(self, k: int) -> float:
         """Expected tokens a round choosing ``k`` yields: ``E`` of the proposals the target gets to verify, ``k``
         times the verified share measured so far (a draft of another tokenizer turns ``k`` of its tokens into
         another number of target tokens; a draft may also stop early)."""
-        return expected_tokens(self.alpha, k * self.verified_share) if k else 1.0
+        return self.acceptance.expected_tokens(k * self.verified_share) if k else 1.0
 
     def rate(self, k: int) -> Optional[float]:
         """Expected tokens per second of rounds proposing ``k`` tokens."""
@@ -174,7 +264,7 @@ class CostModel:
     def best_k(self) -> int:
         """The ``k`` in ``0..max_tokens`` (and at most twice the longest measured length) of the highest expected
         tokens/s (the smallest on ties); 0 until a plain round was measured."""
-        if 0 not in self.round_times:
+        if self.round_s(0) is None:
             return 0
         best, best_rate = 0, self.rate(0)
         longest = max(self.round_times)  # extrapolate at most to twice the longest measured round
@@ -236,8 +326,7 @@ class CostModel:
         if k:
             self.verified_share = self.decay * self.verified_share + (1 - self.decay) * min(1.0, verified / k)
         if verified > 0:
-            self.accepted = self.decay * self.accepted + accepted
-            self.rejections = self.decay * self.rejections + (1.0 if accepted < verified else 0.0)
+            self.acceptance.observe(verified, accepted)
 
     def probe_accepted(self) -> None:
         """The probe's token was accepted: the next round drafts ``k0`` and is measured, so that the lengths'
@@ -265,6 +354,7 @@ class CostModel:
         per_token = [draft[n] / n for n in draft if n > 0]
         return {
             "alpha": round(self.alpha, 3),
+            "acceptance_by_position": [round(p, 3) for p in self.acceptance.probabilities(self.max_tokens)],
             "verified_share": round(self.verified_share, 3),
             "decode_ms": None if 0 not in self.round_times else round(1e3 * self.round_s(0), 2),
             "draft_ms_per_token": round(1e3 * statistics.median(per_token), 2) if per_token else None,
