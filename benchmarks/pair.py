@@ -60,8 +60,8 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
     configs = [("stock alone", stock, {}), ("ours alone", ours, {}),
                (f"ours + draft, k={args.k}", ours, {"assistant_model": draft,
                                                     "num_assistant_tokens_schedule": "constant"}),
-               ("ours + draft, cost model (default)", ours, {"assistant_model": draft,
-                                                              "num_assistant_tokens_schedule": "cost"})]
+               (f"ours + draft, cost model (default, k <= {args.cost_max_tokens})", ours,
+                {"assistant_model": draft, "num_assistant_tokens_schedule": "cost", "_k": args.cost_max_tokens})]
     configs = [c for c in configs if c[1] is not None]
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
@@ -73,6 +73,8 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
             outputs = {}
             for name, model, extra in configs:
                 draft.last_speculation_stats = None
+                extra = dict(extra)  # the draft's num_assistant_tokens: the constant k, or the cost model's cap
+                draft.generation_config.num_assistant_tokens = extra.pop("_k", args.k)
                 outputs[name], timing = timed_generate(model, inputs, **gen, **extra)
                 samples[name][i].append(timing)
                 stats = draft.last_speculation_stats if extra else None
@@ -141,8 +143,11 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="target dtypes")
-    parser.add_argument("--draft-dtype", default=None, help="default: the target's dtype")
+    parser.add_argument("--draft-dtype", default="bfloat16",
+                        help="the draft's dtype (bf16, the fastest draft here, for both targets)")
     parser.add_argument("--k", type=int, default=4, help="draft tokens per round (constant schedule)")
+    parser.add_argument("--cost-max-tokens", type=int, default=8,
+                        help="the cost model's longest round (the draft's num_assistant_tokens; self_draft() sets 8)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
