@@ -26,34 +26,25 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
-def _forward_ms(model, vocab, past, chunks, rounds=3):
-    """Median milliseconds of ``model``'s forward over each chunk length on a cache of ``past`` tokens."""
-    import torch
+def _forward_ms(model, past, chunks, rounds=3):
+    """Median milliseconds of ``model``'s forward over each chunk length on a cache of ``past`` tokens, and of the
+    prefill of that cache (:func:`verify_cost.chunk_forward_s`)."""
+    from verify_cost import chunk_forward_s  # benchmarks/verify_cost.py, beside this file
 
-    generator = torch.Generator().manual_seed(0)
-    times = {n: [] for n in chunks}
-    with torch.no_grad():
-        start = time.perf_counter()
-        cache = model(torch.randint(0, vocab, (1, past), generator=generator)).past_key_values
-        prefill_ms = 1e3 * (time.perf_counter() - start)
-        for _ in range(rounds):
-            for n in chunks:
-                cache.crop(past)
-                ids = torch.randint(0, vocab, (1, n), generator=generator)
-                start = time.perf_counter()
-                model(ids, past_key_values=cache)
-                times[n].append(time.perf_counter() - start)
-    return {n: round(1e3 * statistics.median(v), 1) for n, v in times.items()}, round(prefill_ms, 1)
+    times, prefill_s = chunk_forward_s(model, past, chunks, rounds)
+    return {n: round(1e3 * statistics.median(v), 1) for n, v in times.items()}, round(1e3 * prefill_s, 1)
 
 
 def record(args) -> int:
+    import datetime
+
     import torch
+    import transformers
     from transformers import AutoTokenizer
 
     from optimum_ipex_spec import IPEXModelForCausalLM
@@ -66,7 +57,6 @@ def record(args) -> int:
                                                   torch_dtype=getattr(torch, args.target_dtype))
     draft = IPEXModelForCausalLM.from_pretrained(resolve_model(args.draft), export=True,
                                                  torch_dtype=getattr(torch, args.draft_dtype))
-    vocab = target.config.get_text_config().vocab_size
     traces = []
     for prompt in chat_prompts(tokenizer, n=args.prompts):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -78,15 +68,11 @@ def record(args) -> int:
         traces.append({"prompt_tokens": ids.shape[1], "agree": agree[1:]})  # the first token is the prefill's
         print(f"prompt of {ids.shape[1]} tokens: draft agrees on {agree.count('1')}/{len(agree)}", file=sys.stderr)
     past = int(statistics.median(t["prompt_tokens"] for t in traces))
-    target_ms, _ = _forward_ms(target, vocab, past, CHUNKS)
-    draft_ms, draft_prefill_ms = _forward_ms(draft, vocab, past, CHUNKS)
-    import datetime
-
-    import transformers
-
+    target_ms, _ = _forward_ms(target, past, CHUNKS)
+    draft_ms, draft_prefill_ms = _forward_ms(draft, past, CHUNKS)
     result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "backend": target.backend, "target": args.target, "draft": args.draft, "target_dtype": args.target_dtype,
-              "draft_dtype": args.draft_dtype, "new_tokens": args.new_tokens, "past": past,
+              "transformers": transformers.__version__, "backend": target.backend, "target": args.target,
+              "draft": args.draft, "target_dtype": args.target_dtype, "draft_dtype": args.draft_dtype, "new_tokens": args.new_tokens, "past": past,
               "target_ms": target_ms, "draft_ms": draft_ms, "draft_prefill_ms": draft_prefill_ms, "traces": traces}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "traces"}, indent=1))

@@ -17,6 +17,27 @@ import time
 import torch
 
 
+def chunk_forward_s(model, past, chunks, rounds):
+    """Seconds of ``model``'s forward over ``n`` random tokens on a cache of ``past`` random ones, for each ``n``
+    in ``chunks``: ``({n: [seconds of each round]}, seconds of the prefill of the cache)``. The lengths are
+    interleaved within each round and the cache is cropped back to ``past`` before every forward."""
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    times = {n: [] for n in chunks}
+    with torch.no_grad():
+        start = time.perf_counter()
+        cache = model(torch.randint(0, vocab, (1, past), generator=generator)).past_key_values
+        prefill_s = time.perf_counter() - start
+        for _ in range(rounds):
+            for n in chunks:
+                cache.crop(past)
+                ids = torch.randint(0, vocab, (1, n), generator=generator)
+                start = time.perf_counter()
+                model(ids, past_key_values=cache)
+                times[n].append(time.perf_counter() - start)
+    return times, prefill_s
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model id, name or export folder")
@@ -29,18 +50,7 @@ def main(argv=None) -> int:
     from optimum_ipex_spec import IPEXModelForCausalLM
 
     model = IPEXModelForCausalLM.from_pretrained(args.model, export=True, torch_dtype=getattr(torch, args.dtype))
-    vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    times = {k: [] for k in args.k}
-    with torch.no_grad():
-        cache = model(torch.randint(0, vocab, (1, args.past), generator=generator)).past_key_values
-        for _ in range(args.rounds):
-            for k in args.k:
-                cache.crop(args.past)
-                ids = torch.randint(0, vocab, (1, k), generator=generator)
-                start = time.perf_counter()
-                model(ids, past_key_values=cache)
-                times[k].append(time.perf_counter() - start)
+    times, _ = chunk_forward_s(model, args.past, args.k, args.rounds)
     one = statistics.median(times[min(args.k)])
     print(f"{args.model} {args.dtype}, {model.backend} backend, cache of {args.past} tokens, 1 thread, "
           f"median of {args.rounds}")

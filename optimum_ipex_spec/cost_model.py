@@ -57,14 +57,6 @@ WINDOW = 5
 EXPLORE_EVERY = 6
 
 
-def expected_tokens(alpha: float, k: float) -> float:
-    """Tokens a round proposing ``k`` draft tokens yields when each is accepted with probability ``alpha``
-    (the target's own token included): ``(1 - alpha^(k+1)) / (1 - alpha)``, ``k + 1`` at ``alpha = 1``."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 @dataclass
 class PositionAcceptance:
     """Acceptance of draft tokens by position in the round, from decayed counts; the positions from
@@ -87,8 +79,8 @@ class PositionAcceptance:
     prior: float = 0.5
     strength: float = 1.0
     pooled_from: int = 1
-    reached: List[float] = field(default_factory=list)
-    accepted: List[float] = field(default_factory=list)
+    reached: List[float] = field(init=False)
+    accepted: List[float] = field(init=False)
 
     def __post_init__(self):
         if isinstance(self.pooled_from, bool) or not isinstance(self.pooled_from, int) or self.pooled_from < 1:
@@ -208,7 +200,7 @@ class CostModel:
     _probe_next: bool = False
     _off_streak: int = 0
     _speculating: int = 0
-    acceptance: PositionAcceptance = field(default=None)
+    acceptance: Optional[PositionAcceptance] = None  # built from the settings above unless given
 
     def __post_init__(self):
         for name, least in (("max_tokens", 1), ("first_tokens", 1), ("plain_rounds", 0), ("pooled_from", 1)):

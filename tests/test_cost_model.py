@@ -4,8 +4,14 @@ on simulated costs (a fake clock, no timing of real code), when it is on, and th
 import pytest
 import torch
 
-from optimum_ipex_spec.cost_model import CostModel, expected_tokens, speculate_by_cost
+from optimum_ipex_spec.cost_model import CostModel, PositionAcceptance, speculate_by_cost
 from optimum_ipex_spec.strategy import Strategy, uses_cost_model
+
+
+def expected_tokens(alpha, k):
+    """The geometric model's tokens per round, at a rate ``alpha`` for every position (no observations yet: the
+    estimate is the prior)."""
+    return PositionAcceptance(prior=alpha).expected_tokens(k)
 
 
 def test_expected_tokens_matches_the_geometric_sum():
@@ -13,6 +19,24 @@ def test_expected_tokens_matches_the_geometric_sum():
         for k in range(0, 9):
             assert expected_tokens(alpha, k) == pytest.approx(sum(alpha ** i for i in range(k + 1)))
     assert expected_tokens(1.0, 5) == 6
+    assert expected_tokens(0.5, 2.5) == pytest.approx(1.75 + 0.5 * 0.125)  # a fractional k is interpolated
+
+
+def test_position_acceptance_counts_what_each_round_reached():
+    pooled = PositionAcceptance(decay=0.5, prior=0.5, strength=1.0)
+    pooled.observe(verified=4, accepted=2)  # positions 1, 2 accepted, 3 rejected, 4 never reached
+    assert pooled.reached == [3.0] and pooled.accepted == [2.0]
+    assert pooled.probabilities(3) == [pytest.approx(2.5 / 4)] * 3
+    pooled.observe(verified=2, accepted=2)  # earlier counts decay by half before adding
+    assert pooled.reached == [3.5] and pooled.accepted == [3.0]
+    per_position = PositionAcceptance(decay=0.5, prior=0.5, strength=1.0, pooled_from=2)
+    per_position.observe(verified=4, accepted=2)
+    assert per_position.reached == [1.0, 2.0] and per_position.accepted == [1.0, 1.0]
+    first = 1.5 / 2  # position 1 shrunk towards the prior, positions 2+ towards position 1's estimate
+    assert per_position.probabilities(3) == pytest.approx([first, (1.0 + first) / 3, (1.0 + first) / 3])
+    assert per_position.expected_tokens(2) == pytest.approx(1 + first + first * (1.0 + first) / 3)
+    with pytest.raises(ValueError, match="pooled_from"):
+        PositionAcceptance(pooled_from=0)
 
 
 class _Clock:
@@ -198,6 +222,9 @@ def test_bad_draft_arguments_are_refused_before_generating(tiny_stock_target_dra
     (dict(probe_budget=0.0), "probe_budget"),
     (dict(decay=1.0), "decay"),
     (dict(accepted=0.0, rejections=0.0), "pseudo-counts"),
+    (dict(plain_rounds=-1), "plain_rounds"),
+    (dict(plain_rounds=True), "plain_rounds"),
+    (dict(pooled_from=0), "pooled_from"),
 ])
 def test_cost_model_refuses_bad_settings(arguments, message):
     with pytest.raises(ValueError, match=message):
