@@ -20,7 +20,8 @@ drafting does not pay at all.
 Measured online (wall clock): ``T(k)``, the time from one round's start to the next round's start for rounds that
 chose ``k`` (the fastest of the last few per ``k``: interference only adds time; linear between measured
 lengths; until a plain step is measured, its cost is bounded by the fastest verification, which is a forward over
-more tokens); acceptance, from decayed counts of the proposals reached and accepted, with a prior of 0.5 worth one
+more tokens, and where the draft's lead is smaller than :data:`MEASURE_PLAIN_BELOW` under that bound one plain step
+is measured); acceptance, from decayed counts of the proposals reached and accepted, with a prior of 0.5 worth one
 round. For the report, the round is also split into the candidate generator's time (draft) and the rest
 (verification), per ``n``.
 
@@ -52,6 +53,12 @@ from typing import Callable, Deque, Dict, List, Optional
 COST_SCHEDULE = "cost"
 #: observations kept per round length (the fastest is the estimate; the report gives their median)
 WINDOW = 5
+#: until a plain step is measured its cost is bounded by the fastest verification; when the best length's
+#: expected rate is less than this many times the plain rate under that bound (a lead the bound's error could
+#: erase: a forward over 2 tokens costs 1.45 plain steps on the pure-PyTorch path in fp32), one plain step is
+#: measured first. Not higher: a plain round costs a good draft a whole round (on the SmolLM2 self-draft traces,
+#: whose lead is ~1.45, measuring it lost 4-6% of a 128-token call)
+MEASURE_PLAIN_BELOW = 1.25
 #: every this many chosen drafting rounds, one round re-measures a neighbouring length (twice as long, or half as
 #: long at the cap), so that a length costed once on a noisy round is not avoided for the rest of the call
 EXPLORE_EVERY = 6
@@ -280,7 +287,9 @@ class CostModel:
             k = 1
         else:
             k = self.best_k()
-            if k == 0:  # the draft does not pay: plain rounds, then a probe
+            if k > 0 and 0 not in self.round_times and self.rate(k) < MEASURE_PLAIN_BELOW * self.rate(0):
+                k = 0  # the draft's lead rests on the bound for a plain step: measure one (once), then decide
+            elif k == 0:  # the draft does not pay: plain rounds, then a probe
                 self._off_streak += 1
                 self._off_left = self._off_rounds() - 1
                 self._probe_next = True
