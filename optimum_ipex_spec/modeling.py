@@ -24,6 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache import IPEXFusedCache
 from .candidates import StoppingCriteriaAwareCandidates, stop_proposals_at_stopping_criteria
 from .compat import GenerationCompatMixin
+from .compiled_step import check_torch_compile
 from .cost_model import COST_SCHEDULE, CostModel, speculate_by_cost
 from .export_folder import (
     check_ipex_for_saved_graph,
@@ -125,6 +126,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         verify_model: Optional[torch.jit.ScriptModule] = None,
         source: Optional[str] = None,
         weights: str = "dense",
+        torch_compile: bool = False,
     ):
         if backend not in ("ipex", "torch"):
             raise ValueError(f"backend must be 'ipex' or 'torch', got {backend!r}")
@@ -139,7 +141,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self.generation_config = generation_config or GenerationConfig.from_model_config(config)
         self._num_layers = config.get_text_config().num_hidden_layers
         self.weights = weights
-        self.runner = make_runner(backend, model, config, dtype, verify_model, weights=weights)
+        self.runner = make_runner(backend, model, config, dtype, verify_model, weights=weights,
+                                  torch_compile=torch_compile)
         if warmup:
             self.runner.warmup()
 
@@ -433,7 +436,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
 
     def self_draft(self, torch_dtype: Union[str, torch.dtype] = torch.bfloat16, backend: str = "auto",
-                   weights: str = "dense"):
+                   weights: str = "dense", torch_compile: bool = False):
         """A cheaper copy of this model to use as its own draft: ``generate(assistant_model=...)``.
 
         The same checkpoint loaded again in ``torch_dtype`` (default bf16), exported like the target
@@ -443,6 +446,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         assisted generation applies; output stays the target's (every draft token is verified). Measured on
         SmolLM2-135M (docs/benchmarks.md): the bf16 copy agrees with the fp32 target's next token ~99% of the time;
         which copy is the cheaper draft on a machine is measured by ``make bench`` (self-draft section).
+        ``torch_compile=True`` (bf16, pure-PyTorch path) compiles the draft's one-token step, as
+        :meth:`from_pretrained` does.
 
         Raises:
             ValueError: the model was not exported from a checkpoint path or id (``source`` unknown); a dense copy
@@ -469,7 +474,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 "draft. Use an fp32 target with the default bf16 draft, weights='int8', or another draft model."
             )
         else:
-            draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend)
+            draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend,
+                                               torch_compile=torch_compile)
         # A copy of the target agrees with it almost always: stopping a draft block early on low draft
         # confidence (transformers' default threshold 0.4) only costs extra rounds; the cost model picks each
         # round's length up to 8 from measured costs and acceptance.
@@ -491,11 +497,16 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             torch_dtype: ``torch.float32`` (default), ``torch.bfloat16`` or ``"auto"``.
             backend: ``"auto"`` (IPEX when usable, else the pure-PyTorch path, logged once),
                 ``"ipex"`` (raise if IPEX is unusable) or ``"torch"``.
+            torch_compile: on the pure-PyTorch path with a bf16 model, compile the one-token decode step with
+                ``torch.compile`` (Inductor's AMX bf16 kernels; :mod:`~optimum_ipex_spec.compiled_step`). Compiling
+                takes tens of seconds at load (cached on disk by Inductor); if it fails the eager decoder runs,
+                logged. Default False.
 
         Raises:
             FileNotFoundError: ``model_id`` looks like a local path that does not exist.
             ValueError: not a causal LM; unsupported dtype; unknown backend; ``backend="ipex"`` with
-                an architecture outside IPEX's fused path.
+                an architecture outside IPEX's fused path; ``torch_compile=True`` with IPEX's graphs, an fp32
+                model, int8 weights or a torch older than 2.6.
             IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX (the message has the pip command).
         """
         model_id = str(model_id)
@@ -556,6 +567,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         trust_remote_code: bool = False,
         torch_dtype: Union[None, str, torch.dtype] = None,
         backend: str = "auto",
+        torch_compile: bool = False,
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         check_causal_lm_config(config, model_id)
@@ -579,7 +591,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             load_kwargs["subfolder"] = subfolder
         eager = AutoModelForCausalLM.from_pretrained(model_id, **load_kwargs)
         return cls.from_transformers_model(
-            eager, dtype=dtype, backend=backend, generation_config=eager.generation_config, source=model_id
+            eager, dtype=dtype, backend=backend, generation_config=eager.generation_config, source=model_id,
+            torch_compile=torch_compile,
         )
 
     @classmethod
@@ -591,15 +604,18 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         generation_config: Optional[GenerationConfig] = None,
         source: Optional[str] = None,
         weights: str = "dense",
+        torch_compile: bool = False,
     ) -> "IPEXModelForCausalLM":
         """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
         if you still need the eager model, or want to export it again. ``weights="int8"`` (``backend="torch"``,
-        bf16): weight-only int8 on our decoder, releasing ``model``'s projection weights.
+        bf16): weight-only int8 on our decoder, releasing ``model``'s projection weights. ``torch_compile``: as
+        in :meth:`from_pretrained`.
 
         Raises:
             ValueError: not a causal LM, unsupported dtype or backend; ``model`` was already optimized by IPEX
                 (an earlier export of the same object): IPEX rewrote its modules in place and it cannot be traced
-                again; ``weights="int8"`` with another backend or dtype.
+                again; ``weights="int8"`` with another backend or dtype; ``torch_compile=True`` where it does not
+                apply (see :meth:`from_pretrained`).
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -622,12 +638,16 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder: pass backend='auto' or "
                                  "'torch', or weights='dense' for IPEX")
             return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config,
-                       source=source, weights=weights)
+                       source=source, weights=weights, torch_compile=torch_compile)
+        if torch_compile:  # the compiled step is our decoder's: "auto" means it, "ipex" cannot have it
+            check_torch_compile("torch" if backend == "auto" else backend, model, dtype, weights)
+            backend = "torch"
         if cls._choose_backend(backend, config) == "ipex":
             graphs = export_to_ipex(model, dtype)
             return cls(graphs.decode, config, backend="ipex", dtype=dtype, generation_config=generation_config,
                        verify_model=graphs.verify, source=source)
-        return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config, source=source)
+        return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config, source=source,
+                   torch_compile=torch_compile)
 
     @classmethod
     def _from_pretrained(
@@ -643,6 +663,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         trust_remote_code: bool = False,
         torch_dtype: Union[None, str, torch.dtype] = None,
         backend: str = "auto",
+        torch_compile: bool = False,
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         folder = os.path.join(model_id, subfolder) if subfolder else model_id
@@ -660,6 +681,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 trust_remote_code=trust_remote_code,
                 torch_dtype=torch_dtype,
                 backend=backend,
+                torch_compile=torch_compile,
             )
         meta = read_export_meta(folder, model_id)
         dtype = resolve_dtype(meta["torch_dtype"])
@@ -673,6 +695,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         except OSError:
             generation_config = GenerationConfig.from_model_config(config)
         if meta["backend"] == "ipex":
+            if torch_compile:
+                raise ValueError(f"{model_id} holds an IPEX graph; torch_compile=True compiles our pure-PyTorch "
+                                 "decoder's step: export the checkpoint with backend='torch', or drop torch_compile")
             if backend == "torch":
                 raise ValueError(
                     f"{model_id} holds an IPEX graph; backend='torch' needs the original transformers checkpoint"
@@ -696,7 +721,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
         return cls(eager.eval(), config, backend="torch", dtype=dtype, generation_config=generation_config,
-                   model_save_dir=folder, source=meta.get("source"))
+                   model_save_dir=folder, source=meta.get("source"), torch_compile=torch_compile)
 
     def _save_pretrained(self, save_directory: Union[str, Path]) -> None:
         if self.weights != "dense":

@@ -47,13 +47,17 @@ class TorchCausalLMDecoder(torch.nn.Module):
             per-channel scales, :class:`~optimum_ipex_spec.int8_weights.Int8Weight`; bf16 models only). With
             ``"int8"`` the model's own projection weights (and an untied LM head) are released after packing: the
             weights are held once, and only this decoder can run the model.
+        copies: with dense weights, True (the default) packs the fused, transposed copies described above (fastest
+            for one-token steps); False keeps views of the model's own weights (no copy; a chunk of several tokens
+            runs as fast, a one-token step ~1.3x slower), for when one-token steps run elsewhere
+            (:class:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep`).
 
     Raises:
         ValueError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`; an unknown ``weights``;
             ``"int8"`` for a model that is not bf16.
     """
 
-    def __init__(self, model: torch.nn.Module, weights: str = "dense"):
+    def __init__(self, model: torch.nn.Module, weights: str = "dense", copies: bool = True):
         super().__init__()
         if not self.supports(model):
             raise ValueError(
@@ -66,6 +70,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
             raise ValueError(f"int8 weights run with bf16 activations; this model is {model.dtype}: load it with "
                              "torch_dtype=torch.bfloat16")
         self.weights = weights
+        self.copies = copies or weights == "int8"
         config = model.config
         self.model = model
         self.num_heads = config.num_attention_heads
@@ -92,18 +97,23 @@ class TorchCausalLMDecoder(torch.nn.Module):
         ``[in, out]``, or an :class:`Int8Weight` (called)."""
         if self.weights == "int8":
             return Int8Weight(weight, torch.bfloat16)
-        return weight.detach().t().contiguous()
+        return weight.detach().t().contiguous() if self.copies else weight.detach().t()
 
     def _pack(self, layer) -> tuple:
         """(qkv [hidden -> q+k+v], qkv_bias or None, o [heads*head_dim -> hidden], gate_up [hidden -> 2*inter],
-        down [inter -> hidden]) for one decoder layer, each as :meth:`_matrix` makes it; copies."""
+        down [inter -> hidden]) for one decoder layer, each as :meth:`_matrix` makes it (copies); without
+        :attr:`copies`, qkv and gate_up are tuples of views whose products are concatenated."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        qkv = self._matrix(torch.cat([p.weight.detach() for p in projections], 0))
         bias = None
         if any(p.bias is not None for p in projections):
             bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
                               for p in projections])
+        if not self.copies:
+            return (tuple(self._matrix(p.weight) for p in projections), bias, self._matrix(attn.o_proj.weight),
+                    (self._matrix(mlp.gate_proj.weight), self._matrix(mlp.up_proj.weight)),
+                    self._matrix(mlp.down_proj.weight))
+        qkv = self._matrix(torch.cat([p.weight.detach() for p in projections], 0))
         gate_up = self._matrix(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0))
         return (qkv, bias, self._matrix(attn.o_proj.weight), gate_up, self._matrix(mlp.down_proj.weight))
 
@@ -180,7 +190,10 @@ class TorchCausalLMDecoder(torch.nn.Module):
 
 
 def _project(x: torch.Tensor, matrix) -> torch.Tensor:
-    """``x [..., in] -> [..., out]`` through a packed projection (a transposed dense weight or an int8 one)."""
+    """``x [..., in] -> [..., out]`` through a packed projection (a transposed dense weight or an int8 one), or
+    several (a tuple) whose outputs are concatenated."""
+    if isinstance(matrix, tuple):
+        return torch.cat([_project(x, m) for m in matrix], dim=-1)
     return x @ matrix if isinstance(matrix, torch.Tensor) else matrix(x)
 
 

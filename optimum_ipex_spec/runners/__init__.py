@@ -7,6 +7,7 @@ from typing import Optional
 
 from ..facts import LLAMA_FAMILY_ARCHITECTURES
 from ..torch_model import TorchCausalLMDecoder
+from ..compiled_step import check_torch_compile
 from .base import Runner
 from .eager import EagerRunner, log_eager_once
 from .ipex_graphs import IPEXGraphRunner
@@ -16,15 +17,18 @@ __all__ = ["Runner", "EagerRunner", "IPEXGraphRunner", "TorchDecoderRunner", "ma
 
 
 def make_runner(backend: str, model, config, dtype, verify_model: Optional[object] = None,
-                weights: str = "dense") -> Runner:
+                weights: str = "dense", torch_compile: bool = False) -> Runner:
     """The runner for ``model``: IPEX's graphs (``backend="ipex"``; ``model`` is the decode graph), else our
     pure-PyTorch decoder where it supports the architecture (holding its weights as ``weights`` says), else
     transformers' forward (logged once).
 
     Raises:
         ValueError: ``backend`` other than "ipex" / "torch"; ``weights="int8"`` with the IPEX backend or an
-            architecture our decoder does not run.
+            architecture our decoder does not run; ``torch_compile=True`` with anything but our decoder on a bf16
+            model with dense weights.
     """
+    if torch_compile:
+        check_torch_compile(backend, model, dtype, weights)
     if weights != "dense" and (backend != "torch" or not TorchCausalLMDecoder.supports(model)):
         raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder (backend='torch', "
                          f"{', '.join(LLAMA_FAMILY_ARCHITECTURES)}); got backend={backend!r}, "
@@ -34,6 +38,6 @@ def make_runner(backend: str, model, config, dtype, verify_model: Optional[objec
     if backend != "torch":
         raise ValueError(f"backend must be 'ipex' or 'torch', got {backend!r}")
     if TorchCausalLMDecoder.supports(model):
-        return TorchDecoderRunner(model, dtype, weights)
+        return TorchDecoderRunner(model, dtype, weights, torch_compile=torch_compile)
     log_eager_once(type(model).__name__, ", ".join(LLAMA_FAMILY_ARCHITECTURES))
     return EagerRunner(model)

@@ -8,6 +8,7 @@ requested) goes to transformers' forward (:class:`~optimum_ipex_spec.runners.eag
 from __future__ import annotations
 
 from ..compat import cache_kwarg, prepare_cache_capacity
+from ..compiled_step import CompiledDecodeStep
 from ..torch_cache import PreallocatedKVCache
 from ..torch_model import TorchCausalLMDecoder
 from .base import Runner, mask_and_positions, output
@@ -18,16 +19,27 @@ _EAGER_ONLY = ("inputs_embeds", "labels", "output_attentions", "output_hidden_st
 
 
 class TorchDecoderRunner(Runner):
-    """Our decoder for plain forwards on its own cache; transformers' forward for the rest."""
+    """Our decoder for plain forwards on its own cache; transformers' forward for the rest. With
+    ``torch_compile=True`` (bf16, dense weights), one-token steps of batch 1 run a
+    :class:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep` (compiled in :meth:`warmup`; the eager decoder
+    if compiling fails, logged), and the decoder keeps views of the model's weights instead of its own copies."""
 
     backend = "torch"
     can_draft = True
 
-    def __init__(self, model, dtype, weights: str = "dense"):
-        self.decoder = TorchCausalLMDecoder(model, weights=weights)
+    def __init__(self, model, dtype, weights: str = "dense", torch_compile: bool = False):
+        self.decoder = TorchCausalLMDecoder(model, weights=weights, copies=not torch_compile)
         # int8: the model's own projection weights are gone, so transformers' forward cannot run it
         self.eager = EagerRunner(model) if weights == "dense" else None
         self.dtype = dtype
+        self.step = None
+        if torch_compile:
+            d = self.decoder
+            self.step = CompiledDecodeStep(model, d.num_heads, d.kv_heads, d.head_dim, d.sliding_window)
+
+    def warmup(self) -> None:
+        if self.step is not None and not self.step.compile():
+            self.step = None
 
     def _eager(self, what: str) -> EagerRunner:
         if self.eager is None:
@@ -62,7 +74,10 @@ class TorchDecoderRunner(Runner):
             raise ValueError(f"the cache holds batch {cache.batch_size}; this call has batch {batch}")
         past = cache.get_seq_length()
         attention_mask, position_ids, unpadded = mask_and_positions(attention_mask, position_ids, batch, past, q)
-        logits = self.decoder(input_ids, position_ids, attention_mask, cache, unpadded)
+        if self.step is not None and self.step.applies(batch, q, unpadded):
+            logits = self.step(input_ids, position_ids, cache)
+        else:
+            logits = self.decoder(input_ids, position_ids, attention_mask, cache, unpadded)
         return output(logits, cache, use_cache, cache_field=cache_kwarg())
 
     def new_cache(self, batch_size: int, capacity: int) -> PreallocatedKVCache:

@@ -1,0 +1,176 @@
+"""``torch_compile=True`` (optimum_ipex_spec.compiled_step): the compiled bf16 one-token step against our eager
+decoder, crop and capacity changes without recompiling, a compiled bf16 draft that keeps an fp32 target exact, the
+fallback when compiling fails, and clear errors where it does not apply. Each compile of a tiny model takes seconds.
+"""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+from optimum_ipex_spec import IPEXModelForCausalLM
+from optimum_ipex_spec import compiled_step
+
+from conftest import build_tiny
+
+
+def _windowed_mistral():
+    torch.manual_seed(3)
+    model = MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=6, max_position_embeddings=256, pad_token_id=2))
+    model.config.architectures = ["MistralForCausalLM"]
+    return model.eval()
+
+
+def _pair(build):
+    """(our eager bf16 model, our compiled bf16 model) of one seeded model."""
+    eager = IPEXModelForCausalLM.from_transformers_model(build().to(torch.bfloat16), backend="torch")
+    compiled = IPEXModelForCausalLM.from_transformers_model(build().to(torch.bfloat16), backend="torch",
+                                                            torch_compile=True)
+    assert compiled.runner.step is not None and compiled.runner.step.compile_seconds > 0
+    return eager, compiled
+
+
+@pytest.mark.parametrize("build", [lambda: build_tiny("qwen2", vocab_size=512),  # q/k/v biases, grouped queries
+                                   _windowed_mistral],  # a sliding window shorter than the sequence
+                         ids=["qwen2", "mistral-window"])
+def test_compiled_step_tracks_the_eager_decoder_and_crops_exactly(build):
+    eager, compiled = _pair(build)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the counter counts compiles
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 512, (1, 9))
+    caches = [m.runner.new_cache(1, 10) for m in (eager, compiled)]  # capacity 10: decoding grows it
+    for model, cache in zip((eager, compiled), caches):
+        model(prompt, past_key_values=cache)
+    token = prompt[:, -1:]
+    steps = []
+    for _ in range(8):
+        want = eager(token, past_key_values=caches[0]).logits.float()
+        got = compiled(token, past_key_values=caches[1]).logits.float()
+        assert got.shape == want.shape == (1, 1, 512)
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+        steps.append(got)
+        token = want.argmax(-1)
+    assert caches[1].capacity > 10 and caches[1].get_seq_length() == 17
+    for layer in range(2):  # the compiled step wrote the same keys/values at the same rows
+        assert torch.allclose(caches[1].keys[layer][:, :, :17].float(), caches[0].keys[layer][:, :, :17].float(),
+                              atol=0.05)
+    # crop back 3 tokens and decode them again: the same logits, bit for bit (stale rows are masked out)
+    caches[1].crop(14)
+    tokens = [s.argmax(-1) for s in steps]
+    replay = [compiled(tokens[i - 1] if i else prompt[:, -1:], past_key_values=caches[1]).logits.float()
+              for i in range(5, 8)]
+    for again, first in zip(replay, steps[5:]):
+        assert torch.equal(again, first)
+    # a cache of another capacity runs the graph compiled at load: no recompile
+    other = compiled.runner.new_cache(1, 40)
+    compiled(prompt, past_key_values=other)
+    compiled(prompt[:, -1:], past_key_values=other)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_compiled_bf16_draft_keeps_an_fp32_target_exact(tiny_dir):
+    path = tiny_dir("llama")
+    target = IPEXModelForCausalLM.from_pretrained(path, export=True, backend="torch")
+    draft = IPEXModelForCausalLM.from_pretrained(path, export=True, backend="torch", torch_dtype=torch.bfloat16,
+                                                 torch_compile=True)
+    assert draft.runner.step is not None
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.assistant_confidence_threshold = 0.0  # a random model is never confident
+    calls = []
+    compiled = draft.runner.step._compiled
+    draft.runner.step._compiled = lambda *args: calls.append(1) or compiled(*args)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 1000, (1, 12))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+    plain = target.generate(ids, **kwargs)
+    # a constant schedule passed to generate(): always propose, so the compiled step must run
+    assisted = target.generate(ids, assistant_model=draft, num_assistant_tokens_schedule="constant", **kwargs)
+    assert torch.equal(assisted, plain)
+    assert draft.last_speculation_stats.proposed > 0 and len(calls) > 0  # the compiled step drafted
+
+
+def test_a_failed_compile_falls_back_to_the_eager_decoder(monkeypatch, caplog):
+    def failing_compile(module, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(compiled_step.torch, "compile", failing_compile)
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.compiled_step"):
+        model = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
+                                                             backend="torch", torch_compile=True)
+    assert model.runner.step is None
+    assert "could not compile" in caplog.text and "no C++ compiler" in caplog.text
+    eager = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
+                                                         backend="torch")
+    ids = torch.randint(3, 500, (1, 6))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("arch, dtype, kwargs, message", [
+    ("llama", torch.float32, {}, "bf16 models only"),
+    ("llama", torch.bfloat16, {"weights": "int8"}, "dense bf16 weights"),
+    ("llama", torch.bfloat16, {"backend": "ipex"}, "IPEX's fused graphs"),
+    ("gpt2", torch.bfloat16, {}, "architecture our decoder runs"),
+])
+def test_torch_compile_refuses_what_it_cannot_run(arch, dtype, kwargs, message):
+    model = build_tiny(arch, vocab_size=512).to(dtype)
+    with pytest.raises(ValueError, match=message):
+        IPEXModelForCausalLM.from_transformers_model(model, torch_compile=True, **kwargs)
+
+
+def test_torch_compile_on_a_saved_ipex_export_is_refused(tmp_path, ipex_available):
+    model = IPEXModelForCausalLM.from_pretrained(_save(build_tiny("llama", vocab_size=512), tmp_path / "ckpt"),
+                                                 export=True, backend="ipex")
+    model.save_pretrained(tmp_path / "export")
+    with pytest.raises(ValueError, match="holds an IPEX graph"):
+        IPEXModelForCausalLM.from_pretrained(tmp_path / "export", torch_compile=True)
+
+
+def _save(model, folder):
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def test_torch_compile_round_trips_a_saved_torch_export(tmp_path):
+    source = _save(build_tiny("llama", vocab_size=512).to(torch.bfloat16), tmp_path / "ckpt")
+    IPEXModelForCausalLM.from_pretrained(source, export=True, backend="torch",
+                                         torch_dtype=torch.bfloat16).save_pretrained(tmp_path / "export")
+    loaded = IPEXModelForCausalLM.from_pretrained(tmp_path / "export", torch_compile=True)
+    assert loaded.runner.step is not None
+    reference = AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, 500, (1, 6))
+    with torch.no_grad():
+        want = reference(ids).logits[:, -1].float()
+    cache = loaded.runner.new_cache(1, 8)
+    got = loaded(ids[:, :-1], past_key_values=cache)
+    got = loaded(ids[:, -1:], past_key_values=cache).logits[:, -1].float()  # the compiled step
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_two_compiled_models_of_one_shape_keep_their_own_weights():
+    """Inductor freezes each model's weights into its graph: a second model of the same architecture and shapes
+    must get its own graph, never run the first one's weights."""
+    models = {}
+    for seed in (0, 1):
+        models[seed] = (
+            IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", seed=seed, vocab_size=512).to(
+                torch.bfloat16), backend="torch", torch_compile=True),
+            IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", seed=seed, vocab_size=512).to(
+                torch.bfloat16), backend="torch"))
+    ids = torch.randint(3, 500, (1, 6))
+    steps = {}
+    for seed, (compiled, eager) in models.items():
+        caches = [compiled.runner.new_cache(1, 16), eager.runner.new_cache(1, 16)]
+        compiled(ids[:, :-1], past_key_values=caches[0])
+        eager(ids[:, :-1], past_key_values=caches[1])
+        got = compiled(ids[:, -1:], past_key_values=caches[0]).logits.float()
+        want = eager(ids[:, -1:], past_key_values=caches[1]).logits.float()
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+        steps[seed] = got
+    assert (steps[0] - steps[1]).abs().max() > 0.1 * steps[0].abs().max()  # two different models, really
