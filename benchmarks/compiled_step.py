@@ -2,7 +2,8 @@
 
 One process holds, per dtype, stock transformers (its default dynamic cache, and ``cache_implementation="static"``),
 our eager decoder and, in bf16, our compiled step; in fp32 also our target with a bf16 self-draft, eager and compiled
-(``self_draft(torch_compile=True)``: the draft's one-token steps compiled, the fp32 target eager and exact). Every
+(``self_draft(torch_compile=True)``: the draft's one-token steps compiled, the fp32 target eager and exact), and
+the int8 self-draft compiled (``self_draft(weights="int8", torch_compile=True)``). Every
 round runs each prompt through every configuration, interleaved; per prompt the median over rounds of decode
 tokens/s and time to first token, ratios per prompt, then the median over prompts. Output is compared token by token
 with stock of the same dtype. Memory: the process's RSS growth while loading each model (and its compile), and the
@@ -61,8 +62,11 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
         draft, *loads["bf16 self-draft, eager"] = _load("draft", lambda: ours.self_draft(backend="torch"))
         cdraft, *loads["bf16 self-draft, compiled"] = _load("compiled draft", lambda: ours.self_draft(
             backend="torch", torch_compile=True))
+        idraft, *loads["int8 self-draft, compiled"] = _load("compiled int8 draft", lambda: ours.self_draft(
+            weights="int8", torch_compile=True))
         configs += [("ours + bf16 self-draft, eager", ours, {"assistant_model": draft}),
-                    ("ours + bf16 self-draft, compiled", ours, {"assistant_model": cdraft})]
+                    ("ours + bf16 self-draft, compiled", ours, {"assistant_model": cdraft}),
+                    ("ours + int8 self-draft, compiled", ours, {"assistant_model": idraft})]
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
     identical = {name: [True] * len(prompts) for name, _, _ in configs}
@@ -95,7 +99,7 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
             "load_s": loads[name][1] if name in loads else None,
         })
     # the drafts' loads are their own rows' extra memory
-    for name in ("bf16 self-draft, eager", "bf16 self-draft, compiled"):
+    for name in ("bf16 self-draft, eager", "bf16 self-draft, compiled", "int8 self-draft, compiled"):
         for row in rows:
             if row["config"].endswith(name):
                 row["load_rss_gb"], row["load_s"] = loads[name]
@@ -133,9 +137,10 @@ def render(result) -> str:
         "Notes:",
         "- `ours compiled` loads in the time Inductor takes to compile the one-token step (freezing, max-autotune; "
         "the AMX bf16 GEMM template wins every projection); prefill and verification chunks stay eager.",
-        "- The self-draft rows are the fp32 target with `self_draft(backend='torch')` / "
-        "`self_draft(backend='torch', torch_compile=True)` as `assistant_model` (cost model schedule); their RSS "
-        "column is the draft's load.",
+        "- The self-draft rows are the fp32 target with `self_draft(backend='torch')`, "
+        "`self_draft(backend='torch', torch_compile=True)` or `self_draft(weights='int8', torch_compile=True)` as "
+        "`assistant_model` (cost model schedule); their RSS column is the draft's load. RSS growth is measured "
+        "in one process: memory freed by an earlier model is reused, so the fp32 section's figures understate.",
         "- bf16 outputs are compared with stock bf16; kernels round differently, so long bf16 continuations may "
         "diverge. fp32 outputs (target alone, and with either draft) must be identical.",
     ]

@@ -14,6 +14,10 @@ is one). The capacity is a dynamic dimension of the graph (``torch._dynamo.mark_
 another size does not recompile. The projections, norms, rotary tables and activation are the model's own
 modules: the step copies no weight (Inductor's frozen graph holds one packed copy of each).
 
+With int8 weights (``weights="int8"``, a draft) the projections are the decoder's
+:class:`~optimum_ipex_spec.int8_weights.Int8Weight` matrices (fused q/k/v and gate/up), multiplied by
+``torch.ops.aten._weight_int8pack_mm``, which Inductor lowers to its own GEMM template with the scales as an epilogue.
+
 Only what it is built for goes through it: batch 1, one token, no padding. Prefill and verification chunks stay
 on :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder`.
 """
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from .int8_weights import KERNEL_K_MULTIPLE, Int8Weight
 from .torch_cache import PreallocatedKVCache
 from .torch_model import TorchCausalLMDecoder
 
@@ -43,14 +49,20 @@ INDUCTOR_SETTINGS = {"freezing": True, "max_autotune": True, "autotune_num_choic
 MIN_TORCH_FOR_COMPILE = "2.6"
 
 
+def check_torch_compile_flag(torch_compile) -> None:
+    """Raise ValueError unless ``torch_compile`` is a bool (a string such as ``"false"`` would turn compiling on)."""
+    if not isinstance(torch_compile, bool):
+        raise ValueError(f"torch_compile must be True or False, got {torch_compile!r}")
+
+
 def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype, weights: str) -> None:
     """Raise early when ``torch_compile=True`` cannot apply.
 
     Raises:
         ValueError: the IPEX backend (its graphs are fused already); an architecture our decoder does not run;
             a dtype other than bf16 (fp32 decode does not get faster compiled here, and its rounding would differ
-            from the verification chunk's: speculative decoding would no longer be exact); int8 weights; a torch
-            older than :data:`MIN_TORCH_FOR_COMPILE`.
+            from the verification chunk's: speculative decoding would no longer be exact); a torch older than
+            :data:`MIN_TORCH_FOR_COMPILE`.
     """
     from packaging.version import Version
 
@@ -63,11 +75,9 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
     if dtype != torch.bfloat16:
         raise ValueError(f"torch_compile=True compiles bf16 models only (got {dtype}): in fp32 the compiled step is "
                          "no faster on this CPU and rounds differently from the eager verification of draft tokens, "
-                         "which would make speculative decoding inexact. Load with torch_dtype=torch.bfloat16, or "
-                         "drop torch_compile.")
-    if weights != "dense":
-        raise ValueError(f"torch_compile=True runs dense bf16 weights; weights={weights!r} has its own kernel. Drop "
-                         "one of the two.")
+                         "which would make speculative decoding inexact. Load the checkpoint with "
+                         "torch_dtype=torch.bfloat16 (a saved fp32 export needs a new export in bf16 from its "
+                         "checkpoint), or drop torch_compile.")
     if Version(torch.__version__.split("+")[0]) < Version(MIN_TORCH_FOR_COMPILE):
         raise ValueError(f"torch_compile=True needs torch >= {MIN_TORCH_FOR_COMPILE} (Inductor's CPU bf16 GEMM "
                          f"template); this is torch {torch.__version__}. Upgrade torch, or drop torch_compile.")
@@ -78,16 +88,44 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _Int8Projection(torch.nn.Module):
+    """An :class:`~optimum_ipex_spec.int8_weights.Int8Weight` (its tensors as buffers, not copied) and a bias, as a
+    module Inductor can freeze: ``x [..., in]`` bf16 -> ``[..., out]`` bf16."""
+
+    def __init__(self, weight: Int8Weight, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("bias", bias)
+        self.kernel = weight.qweight.shape[1] % KERNEL_K_MULTIPLE == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.kernel:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+        else:  # a width the kernel gets wrong: the dense matrix (folded once by freezing)
+            out = rows @ (self.qweight.to(rows.dtype) * self.scales[:, None]).t()
+        out = out.reshape(*x.shape[:-1], self.qweight.shape[0])
+        return out if self.bias is None else out + self.bias
+
+
 class _DecodeStep(torch.nn.Module):
-    """Logits ``[1, 1, vocab]`` for one token, given the model's modules and a cache's per-layer buffers."""
+    """Logits ``[1, 1, vocab]`` for one token, given the model's modules (and, for int8 weights, the decoder's
+    packed matrices) and a cache's per-layer buffers."""
 
     def __init__(self, model: torch.nn.Module, num_heads: int, kv_heads: int, head_dim: int,
-                 sliding_window: Optional[int]):
+                 sliding_window: Optional[int], int8_layers: Optional[list] = None, int8_head=None):
         super().__init__()
         self.inner = model.model
         self.lm_head = model.lm_head
         self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.sliding_window = sliding_window
+        self.int8 = int8_layers is not None
+        if self.int8:  # per layer: fused q/k/v (+ bias), o, fused gate/up, down
+            self.int8_layers = torch.nn.ModuleList(
+                torch.nn.ModuleList([_Int8Projection(qkv, bias), _Int8Projection(o), _Int8Projection(gate_up),
+                                     _Int8Projection(down)]) for qkv, bias, o, gate_up, down in int8_layers)
+            self.lm_head = _Int8Projection(int8_head)
 
     def forward(self, input_ids, position_ids, write_at, keys, values):
         # input_ids, position_ids: int64 [1, 1]; write_at: int64 [1] (the cache row of this token);
@@ -105,9 +143,14 @@ class _DecodeStep(torch.nn.Module):
         for index, layer in enumerate(inner.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
-            query = attn.q_proj(x).view(1, 1, heads, dim).transpose(1, 2)
-            key = attn.k_proj(x).view(1, 1, kv_heads, dim).transpose(1, 2)
-            value = attn.v_proj(x).view(1, 1, kv_heads, dim).transpose(1, 2)
+            if self.int8:
+                qkv_m, o_m, gate_up_m, down_m = self.int8_layers[index]
+                query, key, value = qkv_m(x).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+            else:
+                query, key, value = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            query = query.view(1, 1, heads, dim).transpose(1, 2)
+            key = key.view(1, 1, kv_heads, dim).transpose(1, 2)
+            value = value.view(1, 1, kv_heads, dim).transpose(1, 2)
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin
             keys[index].index_copy_(2, write_at, key)
@@ -115,10 +158,16 @@ class _DecodeStep(torch.nn.Module):
             # the heads that share a key/value head are the rows of one query (grouped-query attention)
             out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group, dim), keys[index], values[index],
                                                  attn_mask=mask, scale=dim ** -0.5)
-            hidden = hidden + attn.o_proj(out.reshape(1, heads, 1, dim).transpose(1, 2).reshape(1, 1, heads * dim))
+            out = out.reshape(1, heads, 1, dim).transpose(1, 2).reshape(1, 1, heads * dim)
             mlp = layer.mlp
-            x = layer.post_attention_layernorm(hidden)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            if self.int8:
+                hidden = hidden + o_m(out)
+                gate, up = gate_up_m(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+                hidden = hidden + down_m(mlp.act_fn(gate) * up)
+            else:
+                hidden = hidden + attn.o_proj(out)
+                x = layer.post_attention_layernorm(hidden)
+                hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
         return self.lm_head(inner.norm(hidden))
 
 
@@ -129,17 +178,27 @@ class CompiledDecodeStep:
         model: the bf16 transformers model our decoder runs (its modules are used, not copied).
         num_heads, kv_heads, head_dim: its attention geometry.
         sliding_window: attention window in tokens, or None.
+        decoder: with int8 weights, the :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` that holds them
+            (its matrices are used, not copied); None or a dense decoder: the model's own projections.
 
-    :meth:`compile` compiles it (tens of seconds: SmolLM2-135M 35-65 s on 1 thread; Inductor caches the result on
-    disk, ``TORCHINDUCTOR_CACHE_DIR``) and returns False, logging why, when this machine cannot (no C++ compiler,
-    an Inductor error): the caller then keeps its eager decoder.
+    :meth:`compile` compiles it (tens of seconds: SmolLM2-135M 35-65 s on 1 thread; the autotuning results are cached
+    on disk, ``TORCHINDUCTOR_CACHE_DIR``, the frozen graph is not: a later process compiles again, faster) and
+    returns False, logging why, when this machine cannot (no C++ compiler, an Inductor error, e.g. for a dynamic
+    rope type): the caller then keeps its eager decoder. Changing ``torch.set_num_threads`` or deterministic
+    algorithms between calls recompiles (seconds to a minute).
     """
 
     def __init__(self, model: torch.nn.Module, num_heads: int, kv_heads: int, head_dim: int,
-                 sliding_window: Optional[int] = None):
-        self.module = _DecodeStep(model, num_heads, kv_heads, head_dim, sliding_window).eval()
+                 sliding_window: Optional[int] = None, decoder: Optional[TorchCausalLMDecoder] = None):
+        int8 = decoder is not None and decoder.weights == "int8"
+        self.module = _own_code(_DecodeStep)(model, num_heads, kv_heads, head_dim, sliding_window,
+                                             int8_layers=decoder._layers if int8 else None,
+                                             int8_head=decoder._lm_head if int8 else None).eval()
         self.num_layers = len(model.model.layers)
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, model.dtype
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        #: True once a compiled call failed (e.g. a recompile Inductor could not do): the eager decoder runs instead
+        self.failed = False
         self._compiled = torch.compile(self.module, fullgraph=True)
         # the settings this torch has (older releases lack the reporting switches)
         self._settings = {k: v for k, v in INDUCTOR_SETTINGS.items() if hasattr(torch._inductor.config, k)}
@@ -158,25 +217,69 @@ class CompiledDecodeStep:
             torch._dynamo.mark_dynamic(buffer, 2)  # any capacity runs the same graph
         start = time.perf_counter()
         try:
-            self(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), cache)
+            self._run(0, 0, cache)
         except Exception as exc:  # noqa: BLE001 - Inductor raises many kinds (no compiler, codegen, a backend error)
             logger.warning("torch.compile could not compile the bf16 decode step here (%s: %s); decoding on the "
-                           "eager decoder instead.", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                           "eager decoder instead.", type(exc).__name__, _first_line(exc))
+            self.failed = True
             return False
         self.compile_seconds = time.perf_counter() - start
         logger.info("Compiled the bf16 decode step with torch.compile in %.1f s.", self.compile_seconds)
         return True
 
-    @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor,
-                 cache: PreallocatedKVCache) -> torch.Tensor:
+                 cache: PreallocatedKVCache) -> Optional[torch.Tensor]:
         """Logits ``[1, 1, vocab]`` (bf16) for ``input_ids`` int64 ``[1, 1]`` at ``position_ids`` int64 ``[1, 1]``;
-        writes its key/value at row ``cache.length`` and advances the cache by one."""
+        writes its key/value at row ``cache.length`` and advances the cache by one. None (logged once, and
+        :attr:`failed` set) when the compiled call fails: the caller runs its eager decoder instead.
+
+        Raises:
+            ValueError: ids that are not integers or outside the vocabulary; not one position; a cache built for
+                another model (layers, dtype, key/value heads or head size).
+        """
+        if input_ids.dtype not in (torch.int64, torch.int32) or position_ids.numel() != 1:
+            raise ValueError(f"one token needs integer input_ids [1, 1] and one position (position_ids [1, 1]); got "
+                             f"input_ids {input_ids.dtype} {tuple(input_ids.shape)}, position_ids "
+                             f"{tuple(position_ids.shape)}")
+        token = int(input_ids)
+        if not 0 <= token < self.vocab_size:
+            raise ValueError(f"token id {token} is outside the vocabulary (0 .. {self.vocab_size - 1})")
+        if (len(cache.keys), cache.dtype, cache.kv_heads, cache.head_dim) != (
+                self.num_layers, self.dtype, self.kv_heads, self.head_dim):
+            raise ValueError(f"this cache holds {len(cache.keys)} layers of {cache.kv_heads} x {cache.head_dim} "
+                             f"{cache.dtype} keys/values; the model needs {self.num_layers} layers of {self.kv_heads} "
+                             f"x {self.head_dim} {self.dtype}: build it with model.new_cache(), or let generate()")
+        try:
+            return self._run(token, int(position_ids), cache)
+        except Exception as exc:  # noqa: BLE001 - e.g. a recompile Inductor cannot do, at the recompile limit
+            logger.warning("The compiled bf16 decode step failed (%s: %s); decoding on the eager decoder from now on.",
+                           type(exc).__name__, _first_line(exc))
+            self.failed = True
+            return None
+
+    @torch.no_grad()
+    def _run(self, token: int, position: int, cache: PreallocatedKVCache) -> torch.Tensor:
         past = cache.length
-        cache.reserve(past + 1)
-        with torch._inductor.config.patch(self._settings):
+        cache.reserve(max(past + 1, 2))  # a capacity of 1 would be a graph of its own (Dynamo specializes 0 and 1)
+        # autocast off: the step is bf16 already, and an autocast region would be another graph
+        with torch._inductor.config.patch(self._settings), torch.autocast("cpu", enabled=False):
             # fresh [1, 1] tensors: generate() passes slices whose strides differ, and a new stride recompiles
-            logits = self._compiled(torch.tensor([[int(input_ids)]]), torch.tensor([[int(position_ids)]]),
-                                    torch.tensor([past]), cache.keys, cache.values)
+            logits = self._compiled(torch.tensor([[token]]), torch.tensor([[position]]), torch.tensor([past]),
+                                    cache.keys, cache.values)
         cache.advance(1)
         return logits
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
+
+
+def _own_code(cls: type) -> type:
+    """A subclass of ``cls`` whose ``forward`` is a copy with its own code object. Dynamo keeps its compiled graphs,
+    and its limit of recompiles (8), per code object: without this, every compiled model in a process would share
+    one ``forward``'s limit, and the ninth would fail to compile."""
+    forward = cls.forward
+    code = forward.__code__.replace()
+    own = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__)
+    return type(cls.__name__, (cls,), {"forward": own, "__doc__": cls.__doc__})

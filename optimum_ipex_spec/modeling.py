@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache import IPEXFusedCache
 from .candidates import StoppingCriteriaAwareCandidates, stop_proposals_at_stopping_criteria
 from .compat import GenerationCompatMixin
-from .compiled_step import check_torch_compile
+from .compiled_step import check_torch_compile, check_torch_compile_flag
 from .cost_model import COST_SCHEDULE, CostModel, speculate_by_cost
 from .export_folder import (
     check_ipex_for_saved_graph,
@@ -446,7 +446,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         assisted generation applies; output stays the target's (every draft token is verified). Measured on
         SmolLM2-135M (docs/benchmarks.md): the bf16 copy agrees with the fp32 target's next token ~99% of the time;
         which copy is the cheaper draft on a machine is measured by ``make bench`` (self-draft section).
-        ``torch_compile=True`` (bf16, pure-PyTorch path) compiles the draft's one-token step, as
+        ``torch_compile=True`` (bf16 or int8, pure-PyTorch path) compiles the draft's one-token step, as
         :meth:`from_pretrained` does.
 
         Raises:
@@ -461,13 +461,14 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+        check_torch_compile_flag(torch_compile)
         if weights == "int8":
             if resolve_dtype(torch_dtype) != torch.bfloat16 or backend == "ipex":
                 raise ValueError("weights='int8' runs on our pure-PyTorch decoder with bf16 activations: pass "
                                  "torch_dtype=torch.bfloat16 and backend='auto' or 'torch'")
             draft = type(self).from_transformers_model(
                 AutoModelForCausalLM.from_pretrained(self.source, torch_dtype=torch.bfloat16),
-                dtype=torch.bfloat16, backend="torch", source=self.source, weights="int8")
+                dtype=torch.bfloat16, backend="torch", source=self.source, weights="int8", torch_compile=torch_compile)
         elif resolve_dtype(torch_dtype) == self._dtype:
             raise ValueError(
                 f"this model is already {dtype_name(self._dtype)}: a {dtype_name(self._dtype)} copy is not a cheaper "
@@ -506,7 +507,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             FileNotFoundError: ``model_id`` looks like a local path that does not exist.
             ValueError: not a causal LM; unsupported dtype; unknown backend; ``backend="ipex"`` with
                 an architecture outside IPEX's fused path; ``torch_compile=True`` with IPEX's graphs, an fp32
-                model, int8 weights or a torch older than 2.6.
+                model or a torch older than 2.6.
             IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX (the message has the pip command).
         """
         model_id = str(model_id)
@@ -619,6 +620,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_torch_compile_flag(torch_compile)
         if ipex_converted(model):
             raise ValueError(
                 f"this {type(model).__name__} object was already optimized by IPEX (an earlier export, or "
@@ -666,6 +668,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         torch_compile: bool = False,
         **kwargs,
     ) -> "IPEXModelForCausalLM":
+        check_torch_compile_flag(torch_compile)
         folder = os.path.join(model_id, subfolder) if subfolder else model_id
         if not has_export(folder):
             logger.info("%s holds no IPEX export (%s missing): exporting it now.", model_id, EXPORT_CONFIG_NAME)

@@ -32,6 +32,24 @@ from .torch_cache import PreallocatedKVCache
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY_ARCHITECTURES
 
 
+def layer_windows(model: torch.nn.Module) -> list:
+    """Per decoder layer, its attention window in tokens, or None (full attention), as transformers applies them:
+    ``config.layer_types`` where the config has it; for Qwen2, sliding only with ``use_sliding_window`` and only
+    in layers ``>= max_window_layers``; else ``config.sliding_window`` everywhere."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and len(kinds) == layers:
+        return [window if kind == "sliding_attention" else None for kind in kinds]
+    if type(model).__name__ == "Qwen2ForCausalLM":
+        if not getattr(config, "use_sliding_window", False):
+            return [None] * layers
+        first = getattr(config, "max_window_layers", 0) or 0
+        return [window if index >= first else None for index in range(layers)]
+    return [window] * layers
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -78,10 +96,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.num_layers = config.num_hidden_layers
         self.scaling = self.head_dim ** -0.5
-        window = getattr(config, "sliding_window", None)
-        if type(model).__name__ == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
-            window = None
-        self.sliding_window: Optional[int] = window
+        self.sliding_window: Optional[int] = layer_windows(model)[0]
         self._layers = []
         for layer in model.model.layers:
             self._layers.append(self._pack(layer))
@@ -120,8 +135,10 @@ class TorchCausalLMDecoder(torch.nn.Module):
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         """A supported architecture whose rotary tables live on the model (``model.model.rotary_emb``: transformers
-        >= 4.48 for all three; older releases keep them per attention layer)."""
-        return type(model).__name__ in SUPPORTED_ARCHITECTURES and hasattr(getattr(model, "model", None), "rotary_emb")
+        >= 4.48 for all three; older releases keep them per attention layer), with one attention window for every
+        layer (a Qwen2 config that slides only some layers runs on transformers' forward)."""
+        return (type(model).__name__ in SUPPORTED_ARCHITECTURES and hasattr(getattr(model, "model", None), "rotary_emb")
+                and len(set(layer_windows(model))) == 1)
 
     def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype) -> PreallocatedKVCache:
         return PreallocatedKVCache(self.num_layers, batch_size, self.kv_heads, self.head_dim, dtype, capacity)

@@ -1,6 +1,6 @@
 """``torch_compile=True`` (optimum_ipex_spec.compiled_step): the compiled bf16 one-token step against our eager
 decoder, crop and capacity changes without recompiling, a compiled bf16 draft that keeps an fp32 target exact, the
-fallback when compiling fails, and clear errors where it does not apply. Each compile of a tiny model takes seconds.
+fallback when compiling fails, int8 weights compiled, and clear errors where it does not apply. Each compile of a tiny model takes seconds.
 """
 
 import logging
@@ -108,13 +108,13 @@ def test_a_failed_compile_falls_back_to_the_eager_decoder(monkeypatch, caplog):
     eager = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
                                                          backend="torch")
     ids = torch.randint(3, 500, (1, 6))
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
-    assert torch.equal(model.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    got = model.generate(ids, **kwargs)
+    assert got.shape[1] == 14 and torch.equal(got, eager.generate(ids, **kwargs))
 
 
 @pytest.mark.parametrize("arch, dtype, kwargs, message", [
     ("llama", torch.float32, {}, "bf16 models only"),
-    ("llama", torch.bfloat16, {"weights": "int8"}, "dense bf16 weights"),
     ("llama", torch.bfloat16, {"backend": "ipex"}, "IPEX's fused graphs"),
     ("gpt2", torch.bfloat16, {}, "architecture our decoder runs"),
 ])
@@ -174,3 +174,66 @@ def test_two_compiled_models_of_one_shape_keep_their_own_weights():
         assert (got - want).abs().max() <= 0.05 * want.abs().max()
         steps[seed] = got
     assert (steps[0] - steps[1]).abs().max() > 0.1 * steps[0].abs().max()  # two different models, really
+
+
+def test_compiled_int8_step_tracks_the_int8_decoder():
+    """weights="int8" (a draft): the compiled step multiplies the decoder's own int8 matrices."""
+    def build(**kwargs):
+        return IPEXModelForCausalLM.from_transformers_model(build_tiny("qwen2", vocab_size=512).to(torch.bfloat16),
+                                                            backend="torch", weights="int8", **kwargs)
+
+    eager, compiled = build(), build(torch_compile=True)
+    assert compiled.runner.step is not None and compiled.runner.step.module.int8
+    ids = torch.randint(3, 500, (1, 8))
+    caches = [eager.runner.new_cache(1, 16), compiled.runner.new_cache(1, 16)]
+    eager(ids, past_key_values=caches[0])
+    compiled(ids, past_key_values=caches[1])
+    token = ids[:, -1:]
+    for _ in range(4):
+        want = eager(token, past_key_values=caches[0]).logits.float()
+        got = compiled(token, past_key_values=caches[1]).logits.float()
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+        token = want.argmax(-1)
+
+
+def test_each_compiled_model_has_its_own_code_and_recompile_budget():
+    """Dynamo's recompile limit (8) counts per code object: each step's forward is its own copy, so a process can
+    hold more compiled models than that (the ninth failed before)."""
+    first, second = (compiled_step.CompiledDecodeStep(build_tiny("llama", vocab_size=512).to(torch.bfloat16), 4, 2, 16)
+                     for _ in range(2))
+    assert type(first.module).forward.__code__ is not type(second.module).forward.__code__
+    assert isinstance(first.module, compiled_step._DecodeStep)
+
+
+def test_a_compiled_call_that_fails_hands_over_to_the_eager_decoder(caplog):
+    eager, compiled = _pair(lambda: build_tiny("llama", vocab_size=512))
+
+    def failing(*args):
+        raise RuntimeError("recompile limit reached")
+
+    compiled.runner.step._compiled = failing
+    ids = torch.randint(3, 500, (1, 6))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.compiled_step"):
+        got = compiled.generate(ids, **kwargs)
+    assert got.shape[1] == 12 and torch.equal(got, eager.generate(ids, **kwargs))
+    assert compiled.runner.step is None and "recompile limit reached" in caplog.text
+
+
+def test_bad_input_to_the_compiled_step_is_refused_early():
+    model = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
+                                                         backend="torch", torch_compile=True)
+    torch._dynamo.utils.counters.clear()
+    assert model(torch.tensor([[5]])).logits.shape == (1, 1, 512)  # a cache of capacity 1: no graph of its own
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[512]]), past_key_values=model.new_cache(1, 8))
+    with pytest.raises(ValueError, match="integer input_ids"):
+        model(torch.tensor([[5.7]]), past_key_values=model.new_cache(1, 8))
+    from optimum_ipex_spec.torch_cache import PreallocatedKVCache
+
+    with pytest.raises(ValueError, match="this cache holds 3 layers"):
+        model(torch.tensor([[5]]), past_key_values=PreallocatedKVCache(3, 1, 2, 16, torch.bfloat16, 8))
+    with pytest.raises(ValueError, match="torch_compile must be True or False"):
+        IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
+                                                     backend="torch", torch_compile="false")

@@ -3,6 +3,8 @@
 Runs in every lane: it is what IPEXModelForCausalLM uses without IPEX (and with backend="torch").
 """
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -134,3 +136,25 @@ def test_bf16_decoder_close_to_transformers_bf16():
     cache = decoder.new_cache(1, 12, torch.bfloat16)
     got = torch.cat([_run(decoder, ids, 0, 8, cache), _run(decoder, ids, 8, 12, cache)], 1).float()
     assert got.dtype == torch.float32 and (got - reference).abs().max().item() < 0.05
+
+
+def test_a_qwen2_that_slides_only_some_layers_runs_on_transformers_forward():
+    """Qwen2 with use_sliding_window slides layers >= max_window_layers only; our decoder has one window for all
+    layers, so such a model is not ours to run: transformers' forward gives its logits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from optimum_ipex_spec.runners import EagerRunner
+    from optimum_ipex_spec.torch_model import TorchCausalLMDecoder, layer_windows
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                         max_window_layers=1)
+    model = Qwen2ForCausalLM(config).eval()
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    assert layer_windows(model) == [None, 4] and not TorchCausalLMDecoder.supports(model)
+    ours = IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(model), backend="torch")
+    assert isinstance(ours.runner, EagerRunner)
+    ids = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        assert torch.allclose(ours(ids).logits, model(ids).logits, atol=1e-5)

@@ -7,7 +7,7 @@ from typing import Optional
 
 from ..facts import LLAMA_FAMILY_ARCHITECTURES
 from ..torch_model import TorchCausalLMDecoder
-from ..compiled_step import check_torch_compile
+from ..compiled_step import check_torch_compile, check_torch_compile_flag
 from .base import Runner
 from .eager import EagerRunner, log_eager_once
 from .ipex_graphs import IPEXGraphRunner
@@ -27,6 +27,7 @@ def make_runner(backend: str, model, config, dtype, verify_model: Optional[objec
             architecture our decoder does not run; ``torch_compile=True`` with anything but our decoder on a bf16
             model with dense weights.
     """
+    check_torch_compile_flag(torch_compile)
     if torch_compile:
         check_torch_compile(backend, model, dtype, weights)
     if weights != "dense" and (backend != "torch" or not TorchCausalLMDecoder.supports(model)):

@@ -20,9 +20,9 @@ _EAGER_ONLY = ("inputs_embeds", "labels", "output_attentions", "output_hidden_st
 
 class TorchDecoderRunner(Runner):
     """Our decoder for plain forwards on its own cache; transformers' forward for the rest. With
-    ``torch_compile=True`` (bf16, dense weights), one-token steps of batch 1 run a
+    ``torch_compile=True`` (bf16; dense or int8 weights), one-token steps of batch 1 run a
     :class:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep` (compiled in :meth:`warmup`; the eager decoder
-    if compiling fails, logged), and the decoder keeps views of the model's weights instead of its own copies."""
+    if compiling fails, logged), and a dense decoder keeps views of the model's weights instead of its own copies."""
 
     backend = "torch"
     can_draft = True
@@ -35,7 +35,7 @@ class TorchDecoderRunner(Runner):
         self.step = None
         if torch_compile:
             d = self.decoder
-            self.step = CompiledDecodeStep(model, d.num_heads, d.kv_heads, d.head_dim, d.sliding_window)
+            self.step = CompiledDecodeStep(model, d.num_heads, d.kv_heads, d.head_dim, d.sliding_window, decoder=d)
 
     def warmup(self) -> None:
         if self.step is not None and not self.step.compile():
@@ -74,9 +74,12 @@ class TorchDecoderRunner(Runner):
             raise ValueError(f"the cache holds batch {cache.batch_size}; this call has batch {batch}")
         past = cache.get_seq_length()
         attention_mask, position_ids, unpadded = mask_and_positions(attention_mask, position_ids, batch, past, q)
+        logits = None
         if self.step is not None and self.step.applies(batch, q, unpadded):
-            logits = self.step(input_ids, position_ids, cache)
-        else:
+            logits = self.step(input_ids, position_ids, cache)  # None: it failed (logged) and is off from now on
+            if self.step.failed:
+                self.step = None
+        if logits is None:
             logits = self.decoder(input_ids, position_ids, attention_mask, cache, unpadded)
         return output(logits, cache, use_cache, cache_field=cache_kwarg())
 
