@@ -1,11 +1,11 @@
 """A one-token decode step compiled with ``torch.compile`` (Inductor CPU), for bf16 on the pure-PyTorch path.
 
 On this CPU (AVX512-BF16 and AMX), PyTorch's eager bf16 matrix-vector products are no faster than fp32 ones
-(42 ms for SmolLM2-135M's 211 projections per token, against 45 ms in fp32, 1 thread): bf16 halves the bytes
-but eager does not turn that into time. Inductor with ``freezing`` and ``max_autotune`` packs each bf16
-weight once for its AMX micro-kernel (``CppMicroGemmAMX``) and reaches 22 ms for the same projections. In fp32 it
-does not pay (41 vs 45 ms) and its rounding differs from the eager chunk forward that verifies draft tokens,
-so only bf16 is compiled.
+(42 ms for SmolLM2-135M's 121 projections per token, q/k/v and gate/up fused, against 45 ms in fp32, 1 thread):
+bf16 halves the bytes but eager does not turn that into time. Inductor with ``freezing`` and ``max_autotune`` packs
+each bf16 weight once for its AMX micro-kernel (``CppMicroGemmAMX``) and reaches 22 ms for the same projections.
+In fp32 it does not pay (41 vs 45 ms) and its rounding differs from the eager chunk forward that verifies draft
+tokens, so only bf16 is compiled (and int8 weights, with bf16 activations).
 
 The step is written like pytorch-labs/gpt-fast's: the keys/values of the new token are written in place into
 the :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` buffers at the cache's length, and attention
