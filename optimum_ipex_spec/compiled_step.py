@@ -175,11 +175,8 @@ class CompiledDecodeStep:
     """A Llama-family model's one-token decode step on a :class:`PreallocatedKVCache`, compiled by Inductor.
 
     Args:
-        model: the bf16 transformers model our decoder runs (its modules are used, not copied).
-        num_heads, kv_heads, head_dim: its attention geometry.
-        sliding_window: attention window in tokens, or None.
-        decoder: with int8 weights, the :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` that holds them
-            (its matrices are used, not copied); None or a dense decoder: the model's own projections.
+        decoder: the :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` of a bf16 model: its model's
+            modules (dense weights) or its int8 matrices are used, not copied; its attention geometry and window.
 
     :meth:`compile` compiles it (tens of seconds: SmolLM2-135M 35-65 s on 1 thread; the autotuning results are cached
     on disk, ``TORCHINDUCTOR_CACHE_DIR``, the frozen graph is not: a later process compiles again, faster) and
@@ -188,14 +185,13 @@ class CompiledDecodeStep:
     algorithms between calls recompiles (seconds to a minute).
     """
 
-    def __init__(self, model: torch.nn.Module, num_heads: int, kv_heads: int, head_dim: int,
-                 sliding_window: Optional[int] = None, decoder: Optional[TorchCausalLMDecoder] = None):
-        int8 = decoder is not None and decoder.weights == "int8"
-        self.module = _own_code(_DecodeStep)(model, num_heads, kv_heads, head_dim, sliding_window,
-                                             int8_layers=decoder._layers if int8 else None,
+    def __init__(self, decoder: TorchCausalLMDecoder):
+        model, int8 = decoder.model, decoder.weights == "int8"
+        self.module = _own_code(_DecodeStep)(model, decoder.num_heads, decoder.kv_heads, decoder.head_dim,
+                                             decoder.sliding_window, int8_layers=decoder._layers if int8 else None,
                                              int8_head=decoder._lm_head if int8 else None).eval()
-        self.num_layers = len(model.model.layers)
-        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, model.dtype
+        self.num_layers = decoder.num_layers
+        self.kv_heads, self.head_dim, self.dtype = decoder.kv_heads, decoder.head_dim, model.dtype
         self.vocab_size = model.get_input_embeddings().num_embeddings
         #: True once a compiled call failed (e.g. a recompile Inductor could not do): the eager decoder runs instead
         self.failed = False

@@ -199,8 +199,10 @@ def test_compiled_int8_step_tracks_the_int8_decoder():
 def test_each_compiled_model_has_its_own_code_and_recompile_budget():
     """Dynamo's recompile limit (8) counts per code object: each step's forward is its own copy, so a process can
     hold more compiled models than that (the ninth failed before)."""
-    first, second = (compiled_step.CompiledDecodeStep(build_tiny("llama", vocab_size=512).to(torch.bfloat16), 4, 2, 16)
-                     for _ in range(2))
+    from optimum_ipex_spec.torch_model import TorchCausalLMDecoder
+
+    first, second = (compiled_step.CompiledDecodeStep(TorchCausalLMDecoder(
+        build_tiny("llama", vocab_size=512).to(torch.bfloat16), copies=False)) for _ in range(2))
     assert type(first.module).forward.__code__ is not type(second.module).forward.__code__
     assert isinstance(first.module, compiled_step._DecodeStep)
 

@@ -25,7 +25,7 @@ def make_runner(backend: str, model, config, dtype, verify_model: Optional[objec
     Raises:
         ValueError: ``backend`` other than "ipex" / "torch"; ``weights="int8"`` with the IPEX backend or an
             architecture our decoder does not run; ``torch_compile=True`` with anything but our decoder on a bf16
-            model with dense weights.
+            model (``compiled_step.check_torch_compile``), or not a bool.
     """
     check_torch_compile_flag(torch_compile)
     if torch_compile:

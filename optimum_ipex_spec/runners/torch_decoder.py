@@ -32,10 +32,7 @@ class TorchDecoderRunner(Runner):
         # int8: the model's own projection weights are gone, so transformers' forward cannot run it
         self.eager = EagerRunner(model) if weights == "dense" else None
         self.dtype = dtype
-        self.step = None
-        if torch_compile:
-            d = self.decoder
-            self.step = CompiledDecodeStep(model, d.num_heads, d.kv_heads, d.head_dim, d.sliding_window, decoder=d)
+        self.step = CompiledDecodeStep(self.decoder) if torch_compile else None
 
     def warmup(self) -> None:
         if self.step is not None and not self.step.compile():
