@@ -5,7 +5,7 @@ in each of ``--rounds`` rounds run, interleaved, a forward of k tokens on that c
 cropped back after each). Prints the median milliseconds per k and the ratio to k = 1 (the decode graph; k > 1
 runs the exact verify graph). The machine's noise moves the milliseconds; the ratios are the result.
 
-    python benchmarks/verify_cost.py [--model smollm2-135m-instruct] [--dtype float32] [--past 300]
+    python benchmarks/verify_cost.py [--model smollm2-135m-instruct] [--dtype float32] [--past 300] [--backend auto]
 """
 
 from __future__ import annotations
@@ -45,11 +45,14 @@ def main(argv=None) -> int:
     parser.add_argument("--past", type=int, default=300, help="cached tokens before each forward")
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 5, 9, 12, 16], help="chunk lengths")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--backend", default="auto", choices=["auto", "ipex", "torch"],
+                        help="runtime of the export (auto: IPEX where installed)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     from optimum_ipex_spec import IPEXModelForCausalLM
 
-    model = IPEXModelForCausalLM.from_pretrained(args.model, export=True, torch_dtype=getattr(torch, args.dtype))
+    model = IPEXModelForCausalLM.from_pretrained(args.model, export=True, torch_dtype=getattr(torch, args.dtype),
+                                                 backend=args.backend)
     times, _ = chunk_forward_s(model, args.past, args.k, args.rounds)
     one = statistics.median(times[min(args.k)])
     print(f"{args.model} {args.dtype}, {model.backend} backend, cache of {args.past} tokens, 1 thread, "

@@ -204,6 +204,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         use_cache: bool = True,
         return_dict: bool = True,
         cache: Optional[Union[IPEXFusedCache, PreallocatedKVCache, DynamicCache]] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run the model on ``input_ids`` int64 ``[batch, q]`` on top of ``past_key_values``.
@@ -215,9 +216,14 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             position_ids: int64 ``[batch, q]``; default derived from ``attention_mask``.
             labels: optional int64 ``[batch, past + q]``-aligned targets as in transformers (``-100`` ignored);
                 the shifted cross-entropy is returned in ``loss``.
+            logits_to_keep: as in transformers: 0 returns logits for all ``q`` positions, ``n > 0`` for the last
+                ``n``, a 1-D int64 tensor for those positions. ``generate()`` passes 1 for the prompt and ``k + 1``
+                for a verification of k draft tokens; the pure-PyTorch decoder then runs the LM head on those
+                positions only (the IPEX graphs compute all and are sliced).
 
         Returns:
-            ``CausalLMOutputWithPast`` with ``logits`` ``[batch, q, vocab]`` in the model dtype and the
+            ``CausalLMOutputWithPast`` with ``logits`` ``[batch, q, vocab]`` (``q`` cut by ``logits_to_keep``) in
+            the model dtype and the
             updated cache in ``past_key_values`` (None when ``use_cache=False``).
 
         Raises:
@@ -229,6 +235,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         if past_key_values is None:
             past_key_values = cache  # transformers >= 5 spells it ``cache``
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            kwargs["logits_to_keep"] = logits_to_keep
         out = self.runner.forward(input_ids, attention_mask, past_key_values, position_ids, use_cache, kwargs)
         return out if return_dict else out.to_tuple()
 
@@ -734,7 +742,12 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if self.backend == "ipex":
             save_graphs(save_directory, IPEXGraphs(decode=self.model, verify=self.verify_model))
         else:
-            self.model.save_pretrained(save_directory)
+            # the fp32 decoder gives the model's layers views of its transposed copies (torch_model.py); a
+            # checkpoint holds each weight on its own, contiguous: the views are copied for the save (the projection
+            # weights once more in memory while it runs)
+            state_dict = {name: tensor if tensor.is_contiguous() else tensor.contiguous()
+                          for name, tensor in self.model.state_dict().items()}
+            self.model.save_pretrained(save_directory, state_dict=state_dict)
         self.generation_config.save_pretrained(save_directory)
         ipex_version = ipex_status().ipex_version if self.backend == "ipex" else None
         write_export_meta(save_directory, export_meta(self.backend, dtype_name(self._dtype),

@@ -2,13 +2,22 @@
 support, or transformers 5.x).
 
 It runs a transformers Llama-family model (Llama, Mistral, Qwen2: pre-norm decoder layers with rotary
-position embeddings and grouped-query attention) with the model's own modules for the projections, norms,
-MLPs and rotary tables, but replaces what makes stock decoding slow on a CPU: per-step cache objects and
-mask construction, and lays the weights out for one-token matrix-vector products: the query/key/value
-projections fused into one matrix, gate/up into another, every matrix stored transposed (``[in, out]``,
-contiguous), which streams the weights from memory about 1.3x faster than ``nn.Linear`` does here
-(measured: 27.5 vs 36.6 ms per token for SmolLM2's decoder layers, 5.0 vs 9.9 ms for its LM head, fp32,
-1 thread). Keys/values go into a :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache`;
+position embeddings and grouped-query attention) with the model's own modules for the norms, activations and
+rotary tables, but replaces what makes stock decoding slow on a CPU: per-step cache objects and mask
+construction, and the layout of the weights. The query/key/value projections are fused into one matrix and
+gate/up into another, and each matrix is laid out for the row counts it serves
+(:mod:`~optimum_ipex_spec.onednn_weights` has the measurements):
+
+* bf16: reordered once for oneDNN's matmul (AMX here), for every row count: a decode step 1.5x faster than
+  transposed weights, a 9-token verification as cheap as a decode step;
+* fp32: transposed (``[in, out]``, contiguous: MKL's fastest one-row product, 1.1-1.3x faster than
+  ``nn.Linear``) for decode steps and long prefills, plus a oneDNN-reordered copy for chunks of 2-48 rows
+  (speculative decoding's verification: 9 tokens cost 1.6 decode steps instead of 2.3). The model's
+  ``nn.Linear`` layers are given views of the transposed copy, so the model keeps running and the weights are
+  held twice, as before, not three times.
+
+Only the positions ``logits_to_keep`` names go through the LM head (``generate()`` asks for one on the prompt).
+Keys/values go into a :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache`;
 attention is one fused ``torch.nn.functional.scaled_dot_product_attention`` call per layer over the cached
 rows, with an explicit mask only when it is needed (left padding, a chunk on a cache, a sliding window).
 A chunk of ``q`` tokens on a non-empty cache (speculative decoding's verification) is exact: position
@@ -26,6 +35,7 @@ import torch.nn.functional as F
 
 from .facts import LLAMA_FAMILY_ARCHITECTURES, WEIGHT_FORMATS
 from .int8_weights import Int8Weight
+from .onednn_weights import FewRowsSplit, OneDNNWeight, onednn_available
 from .torch_cache import PreallocatedKVCache
 
 #: transformers model classes whose decoder layers this module can run.
@@ -50,6 +60,25 @@ def layer_windows(model: torch.nn.Module) -> list:
     return [window] * layers
 
 
+def kept_positions(x: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """``x [batch, q, ...]`` at the positions transformers' ``logits_to_keep`` names: 0 (all), ``n > 0`` (the last
+    ``n``) or a 1-D tensor of position indices. ``generate()`` passes 1 for the prompt (only the last position's
+    logits are used) and ``k + 1`` for a verification of k draft tokens.
+
+    Raises:
+        ValueError: a negative count, or something that is neither an int nor a 1-D integer tensor.
+    """
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dim() != 1 or logits_to_keep.is_floating_point():
+            raise ValueError(f"logits_to_keep as a tensor is a 1-D tensor of position indices, got "
+                             f"{logits_to_keep.dtype} of shape {tuple(logits_to_keep.shape)}")
+        return x[:, logits_to_keep]
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep is 0 (all positions), a positive count of last positions or a 1-D index "
+                         f"tensor, got {logits_to_keep!r}")
+    return x if logits_to_keep == 0 else x[:, -logits_to_keep:]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -61,13 +90,12 @@ class TorchCausalLMDecoder(torch.nn.Module):
     Args:
         model: a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (eval mode); its
             modules are used, not copied.
-        weights: ``"dense"`` (transposed copies in the model's dtype) or ``"int8"`` (weight-only int8 with
+        weights: ``"dense"`` (copies in the model's dtype, laid out as the module docstring says) or ``"int8"`` (weight-only int8 with
             per-channel scales, :class:`~optimum_ipex_spec.int8_weights.Int8Weight`; bf16 models only). With
             ``"int8"`` the model's own projection weights (and an untied LM head) are released after packing: the
             weights are held once, and only this decoder can run the model.
-        copies: with dense weights, True (the default) packs the fused, transposed copies described above (fastest
-            for one-token steps); False keeps views of the model's own weights (no copy; a chunk of several tokens
-            runs as fast, a one-token step ~1.3x slower), for when one-token steps run elsewhere
+        copies: with dense weights, True (the default) packs the fused copies described above; False keeps views
+            of the model's own weights (no copy; slower), for when one-token steps run elsewhere
             (:class:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep`).
 
     Raises:
@@ -89,6 +117,9 @@ class TorchCausalLMDecoder(torch.nn.Module):
                              "torch_dtype=torch.bfloat16")
         self.weights = weights
         self.copies = copies or weights == "int8"
+        #: how dense copies are laid out: "onednn" (reordered for oneDNN's matmul, fp32/bf16) or "transposed"
+        self.layout = "onednn" if (self.copies and weights == "dense" and model.dtype in (torch.float32, torch.bfloat16)
+                                   and onednn_available()) else "transposed"
         config = model.config
         self.model = model
         self.num_heads = config.num_attention_heads
@@ -97,40 +128,67 @@ class TorchCausalLMDecoder(torch.nn.Module):
         self.num_layers = config.num_hidden_layers
         self.scaling = self.head_dim ** -0.5
         self.sliding_window: Optional[int] = layer_windows(model)[0]
+        if self.layout == "onednn" and model.dtype == torch.float32:
+            _own_unpacked_tensors(model)
         self._layers = []
         for layer in model.model.layers:
             self._layers.append(self._pack(layer))
             if weights == "int8":  # hold the weights once: ours, int8
                 _release(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                          layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-        self._lm_head = self._matrix(model.lm_head.weight)  # [hidden, vocab] dense, or int8
+        self._lm_head = self._matrix(model.lm_head)
         if weights == "int8" and model.lm_head.weight is not model.model.embed_tokens.weight:
             _release(model.lm_head)  # an untied head; a tied one is still the embedding
 
-    def _matrix(self, weight: torch.Tensor):
-        """One projection as this decoder multiplies it: ``x @ m`` with ``m`` the transposed dense weight
-        ``[in, out]``, or an :class:`Int8Weight` (called)."""
+    def _matrix(self, *linears: torch.nn.Linear):
+        """One projection (the ``nn.Linear`` layers' outputs fused) as this decoder multiplies it, ``m(x)`` or
+        ``x @ m``:
+
+        * int8 weights: an :class:`Int8Weight`;
+        * without :attr:`copies`: the view ``W.T`` of the model's weight (a tuple of views for several, whose
+          products are concatenated);
+        * ``layout == "onednn"``, bf16: a :class:`OneDNNWeight` for every row count;
+        * ``layout == "onednn"``, fp32: a :class:`FewRowsSplit` of the transposed copy ``[in, out]`` (one row) and
+          a :class:`OneDNNWeight` (more); the layers' weights become views of the transposed copy, so the model
+          still runs and holds no third copy;
+        * ``layout == "transposed"`` (no oneDNN, fp16): the transposed copy ``[in, out]``, contiguous.
+        """
+        weights = [linear.weight.detach() for linear in linears]
+        if not self.copies:
+            return weights[0].t() if len(weights) == 1 else tuple(w.t() for w in weights)
+        fused = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
         if self.weights == "int8":
-            return Int8Weight(weight, torch.bfloat16)
-        return weight.detach().t().contiguous() if self.copies else weight.detach().t()
+            return Int8Weight(fused, torch.bfloat16)
+        if self.layout == "transposed":
+            return fused.t().contiguous()
+        if fused.dtype == torch.bfloat16:
+            return OneDNNWeight(fused)
+        reordered = OneDNNWeight(fused)
+        if self._tied_head(linears):  # the embedding: leave it, multiply one row by its view
+            return FewRowsSplit(fused.t(), reordered)
+        transposed = fused.t().contiguous()
+        offset = 0
+        for linear in linears:
+            rows = linear.out_features
+            linear.weight = torch.nn.Parameter(transposed[:, offset:offset + rows].t(), requires_grad=False)
+            offset += rows
+        return FewRowsSplit(transposed, reordered)
+
+    def _tied_head(self, linears) -> bool:
+        embedding = self.model.model.embed_tokens.weight
+        return any(linear.weight is embedding for linear in linears)
 
     def _pack(self, layer) -> tuple:
         """(qkv [hidden -> q+k+v], qkv_bias or None, o [heads*head_dim -> hidden], gate_up [hidden -> 2*inter],
-        down [inter -> hidden]) for one decoder layer, each as :meth:`_matrix` makes it (copies); without
-        :attr:`copies`, qkv and gate_up are tuples of views whose products are concatenated."""
+        down [inter -> hidden]) for one decoder layer, each as :meth:`_matrix` makes it."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         bias = None
         if any(p.bias is not None for p in projections):
             bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
                               for p in projections])
-        if not self.copies:
-            return (tuple(self._matrix(p.weight) for p in projections), bias, self._matrix(attn.o_proj.weight),
-                    (self._matrix(mlp.gate_proj.weight), self._matrix(mlp.up_proj.weight)),
-                    self._matrix(mlp.down_proj.weight))
-        qkv = self._matrix(torch.cat([p.weight.detach() for p in projections], 0))
-        gate_up = self._matrix(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()], 0))
-        return (qkv, bias, self._matrix(attn.o_proj.weight), gate_up, self._matrix(mlp.down_proj.weight))
+        return (self._matrix(*projections), bias, self._matrix(attn.o_proj), self._matrix(mlp.gate_proj, mlp.up_proj),
+                self._matrix(mlp.down_proj))
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -163,10 +221,12 @@ class TorchCausalLMDecoder(torch.nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor, attention_mask: torch.Tensor,
-                cache: PreallocatedKVCache, unpadded: bool) -> torch.Tensor:
+                cache: PreallocatedKVCache, unpadded: bool, logits_to_keep=0) -> torch.Tensor:
         """Logits ``[batch, q, vocab]`` (model dtype) for ``input_ids`` int64 ``[batch, q]`` at ``position_ids``
         int64 ``[batch, q]``, given ``attention_mask`` int64 ``[batch, cache.length + q]``; appends the chunk's
-        keys/values to ``cache``."""
+        keys/values to ``cache``. ``logits_to_keep`` (transformers' argument: 0 = all, n = the last n positions,
+        or a 1-D index tensor) limits the positions that go through the final norm and the LM head (a prompt's
+        logits: one position, not the whole prompt)."""
         inner = self.model.model
         batch, q = input_ids.shape
         past = cache.length
@@ -203,7 +263,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
             gate, up = _project(layer.post_attention_layernorm(hidden), gate_up_m).chunk(2, dim=-1)
             hidden = hidden + _project(layer.mlp.act_fn(gate) * up, down_m)
         cache.advance(q)
-        return _project(inner.norm(hidden), self._lm_head)
+        return _project(inner.norm(kept_positions(hidden, logits_to_keep)), self._lm_head)
 
 
 def _project(x: torch.Tensor, matrix) -> torch.Tensor:
@@ -212,6 +272,23 @@ def _project(x: torch.Tensor, matrix) -> torch.Tensor:
     if isinstance(matrix, tuple):
         return torch.cat([_project(x, m) for m in matrix], dim=-1)
     return x @ matrix if isinstance(matrix, torch.Tensor) else matrix(x)
+
+
+def _own_unpacked_tensors(model: torch.nn.Module) -> None:
+    """Give every parameter the fp32 decoder does not replace by a view of its copies (embedding, norms, biases)
+    storage of its own. Loaded in the checkpoint's dtype, transformers' parameters are views of the memory-mapped
+    safetensors file; while any of them is, the whole mapping stays resident, projection weights included
+    (measured, SmolLM2 fp32: 0.53 GB on top of the decoder's two copies)."""
+    projections = set()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            projections.add(id(linear.weight))
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        projections.add(id(model.lm_head.weight))
+    for parameter in model.parameters():  # each shared parameter once (a tied head is the embedding)
+        if id(parameter) not in projections:
+            parameter.data = parameter.data.clone()
 
 
 def _release(*linears: torch.nn.Linear) -> None:

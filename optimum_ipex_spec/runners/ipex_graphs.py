@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..cache import IPEXFusedCache
+from ..torch_model import kept_positions
 from .base import Runner, causal_lm_loss, mask_and_positions, output
 
 logger = logging.getLogger("optimum_ipex_spec")
@@ -76,6 +77,7 @@ class IPEXGraphRunner(Runner):
                 ``output_attentions`` / ``output_hidden_states`` (the fused graph does not return them).
         """
         labels = kwargs.pop("labels", None)
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)  # the traced graph computes every position; sliced after
         for unsupported in ("output_attentions", "output_hidden_states"):
             if kwargs.get(unsupported):
                 raise ValueError(f"{unsupported}=True is not available on the IPEX backend (the fused graph does not "
@@ -87,7 +89,7 @@ class IPEXGraphRunner(Runner):
         graph = self.graph_for(past, q, batch, unpadded)
         if graph is None:
             logits = self._chunk_token_by_token(input_ids, attention_mask, position_ids, cache)
-            return output(logits, cache, use_cache)
+            return output(kept_positions(logits, logits_to_keep), cache, use_cache)
         if graph is self.verify and q > 1:
             cache.reserve(past + q)  # the verify graph writes the chunk into the buffers without growing them
         previous = torch.jit.set_fusion_strategy(GRAPH_FUSION_STRATEGY)
@@ -102,7 +104,7 @@ class IPEXGraphRunner(Runner):
             torch.jit.set_fusion_strategy(previous)
         cache.replace(layers)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
-        return output(logits, cache, use_cache, loss=loss)
+        return output(kept_positions(logits, logits_to_keep), cache, use_cache, loss=loss)
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> IPEXFusedCache:
         """An empty :class:`~optimum_ipex_spec.cache.IPEXFusedCache` (IPEX grows it itself: ``capacity`` unused)."""
@@ -115,6 +117,7 @@ class IPEXGraphRunner(Runner):
             "attention_mask": attention_mask,
             "past_key_values": cache,
             "use_cache": kwargs.get("use_cache", True),
+            **({"logits_to_keep": kwargs["logits_to_keep"]} if "logits_to_keep" in kwargs else {}),
         }
 
     def prepare_cache_for_generation(self, generation_config, model_kwargs, rows, transformers_args):

@@ -77,7 +77,8 @@ class TorchDecoderRunner(Runner):
             if self.step.failed:
                 self.step = None
         if logits is None:
-            logits = self.decoder(input_ids, position_ids, attention_mask, cache, unpadded)
+            logits = self.decoder(input_ids, position_ids, attention_mask, cache, unpadded,
+                                  logits_to_keep=kwargs.get("logits_to_keep", 0))
         return output(logits, cache, use_cache, cache_field=cache_kwarg())
 
     def new_cache(self, batch_size: int, capacity: int) -> PreallocatedKVCache:
@@ -93,6 +94,7 @@ class TorchDecoderRunner(Runner):
             "attention_mask": attention_mask,
             cache_kwarg(): cache,
             "use_cache": kwargs.get("use_cache", True),
+            **({"logits_to_keep": kwargs["logits_to_keep"]} if "logits_to_keep" in kwargs else {}),
         }
 
     def prepare_cache_for_generation(self, generation_config, model_kwargs, rows, transformers_args):
