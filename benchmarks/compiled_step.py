@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from pair import GB, _rss
+from pair import GB, _rss, median_ratio, per_prompt_medians, worst_ratio
 
 
 def _load(what, build):
@@ -80,20 +80,19 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
                 identical[name][i] &= torch.equal(outputs[name], outputs["stock"])
                 print(f"  {dtype_name} prompt {i} {name}: {timing.decode_tokens_per_s:.1f} tok/s, "
                       f"TTFT {timing.ttft_s:.2f} s", file=sys.stderr, flush=True)
-    rate = {n: [statistics.median(t.decode_tokens_per_s for t in samples[n][i]) for i in range(len(prompts))]
-            for n in samples}
-    ttft = {n: [statistics.median(t.ttft_s for t in samples[n][i]) for i in range(len(prompts))] for n in samples}
+    rate = per_prompt_medians(samples, "decode_tokens_per_s")
+    ttft = per_prompt_medians(samples, "ttft_s")
     rows = []
     for name, _, _ in configs:
         rows.append({
             "config": name,
             "median_decode_tok_s": statistics.median(rate[name]),
-            "ratio_vs_stock": statistics.median(r / s for r, s in zip(rate[name], rate["stock"])),
-            "ratio_vs_stock_static": statistics.median(r / s for r, s in zip(rate[name], rate["stock, static cache"])),
-            "ratio_vs_ours_eager": statistics.median(r / s for r, s in zip(rate[name], rate["ours eager"])),
-            "worst_ratio_vs_ours_eager": min(r / s for r, s in zip(rate[name], rate["ours eager"])),
+            "ratio_vs_stock": median_ratio(rate[name], rate["stock"]),
+            "ratio_vs_stock_static": median_ratio(rate[name], rate["stock, static cache"]),
+            "ratio_vs_ours_eager": median_ratio(rate[name], rate["ours eager"]),
+            "worst_ratio_vs_ours_eager": worst_ratio(rate[name], rate["ours eager"]),
             "median_ttft_s": statistics.median(ttft[name]),
-            "ttft_vs_stock": statistics.median(t / s for t, s in zip(ttft[name], ttft["stock"])),
+            "ttft_vs_stock": median_ratio(ttft[name], ttft["stock"]),
             "identical_prompts": sum(identical[name]),
             "load_rss_gb": loads[name][0] if name in loads else None,
             "load_s": loads[name][1] if name in loads else None,

@@ -26,6 +26,23 @@ from pathlib import Path
 GB = 1 << 30
 
 
+def per_prompt_medians(samples: dict, field: str) -> dict:
+    """``{configuration: [median over rounds of each timing's `field`, one per prompt]}`` from
+    ``samples[configuration][prompt] = [timing per round]``."""
+    return {name: [statistics.median(getattr(t, field) for t in rounds) for rounds in by_prompt.values()]
+            for name, by_prompt in samples.items()}
+
+
+def median_ratio(values, baseline) -> float:
+    """Median over prompts of ``values[i] / baseline[i]``."""
+    return statistics.median(v / b for v, b in zip(values, baseline))
+
+
+def worst_ratio(values, baseline) -> float:
+    """Smallest ``values[i] / baseline[i]`` over prompts."""
+    return min(v / b for v, b in zip(values, baseline))
+
+
 def _rss() -> dict:
     fields = {}
     with open("/proc/self/status") as f:
@@ -85,17 +102,15 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
                       flush=True)
             for name in outputs:
                 identical[name] &= torch.equal(outputs[name], outputs["ours alone"])
-    rate = {name: [statistics.median(t.decode_tokens_per_s for t in samples[name][i]) for i in range(len(prompts))]
-            for name in samples}
+    rate = per_prompt_medians(samples, "decode_tokens_per_s")
     rows = []
     for name, _, _ in configs:
         rows.append({
             "config": name,
             "median_decode_tok_s": statistics.median(rate[name]),
-            "ratio_vs_ours_alone": statistics.median(r / a for r, a in zip(rate[name], rate["ours alone"])),
-            "ratio_vs_stock": (statistics.median(r / s for r, s in zip(rate[name], rate["stock alone"]))
-                               if "stock alone" in rate else None),
-            "worst_ratio_vs_ours_alone": min(r / a for r, a in zip(rate[name], rate["ours alone"])),
+            "ratio_vs_ours_alone": median_ratio(rate[name], rate["ours alone"]),
+            "ratio_vs_stock": median_ratio(rate[name], rate["stock alone"]) if "stock alone" in rate else None,
+            "worst_ratio_vs_ours_alone": worst_ratio(rate[name], rate["ours alone"]),
             "median_ttft_s": statistics.median(t.ttft_s for i in samples[name] for t in samples[name][i]),
             "identical_to_ours_alone": identical[name],
         })

@@ -72,15 +72,11 @@ class OneDNNWeight:
             raise ValueError(f"a oneDNN weight is a 2-D fp32 or bf16 [out, in] matrix, got {tuple(weight.shape)} "
                              f"{weight.dtype}")
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ROWS_HINT)
 
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.out_features, self.in_features))
-
-    def nbytes(self) -> int:
-        return self.out_features * self.in_features * torch.finfo(self.dtype).bits // 8
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` (this weight's dtype) -> ``[..., out]``."""

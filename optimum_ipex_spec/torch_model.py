@@ -134,10 +134,9 @@ class TorchCausalLMDecoder(torch.nn.Module):
         for layer in model.model.layers:
             self._layers.append(self._pack(layer))
             if weights == "int8":  # hold the weights once: ours, int8
-                _release(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                         layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+                _release(*_layer_projections(layer))
         self._lm_head = self._matrix(model.lm_head)
-        if weights == "int8" and model.lm_head.weight is not model.model.embed_tokens.weight:
+        if weights == "int8" and not _head_is_embedding(model):
             _release(model.lm_head)  # an untied head; a tied one is still the embedding
 
     def _matrix(self, *linears: torch.nn.Linear):
@@ -164,7 +163,8 @@ class TorchCausalLMDecoder(torch.nn.Module):
         if fused.dtype == torch.bfloat16:
             return OneDNNWeight(fused)
         reordered = OneDNNWeight(fused)
-        if self._tied_head(linears):  # the embedding: leave it, multiply one row by its view
+        if linears[0] is self.model.lm_head and _head_is_embedding(self.model):
+            # a tied head is the embedding: leave it, multiply one row by its view
             return FewRowsSplit(fused.t(), reordered)
         transposed = fused.t().contiguous()
         offset = 0
@@ -173,10 +173,6 @@ class TorchCausalLMDecoder(torch.nn.Module):
             linear.weight = torch.nn.Parameter(transposed[:, offset:offset + rows].t(), requires_grad=False)
             offset += rows
         return FewRowsSplit(transposed, reordered)
-
-    def _tied_head(self, linears) -> bool:
-        embedding = self.model.model.embed_tokens.weight
-        return any(linear.weight is embedding for linear in linears)
 
     def _pack(self, layer) -> tuple:
         """(qkv [hidden -> q+k+v], qkv_bias or None, o [heads*head_dim -> hidden], gate_up [hidden -> 2*inter],
@@ -274,17 +270,24 @@ def _project(x: torch.Tensor, matrix) -> torch.Tensor:
     return x @ matrix if isinstance(matrix, torch.Tensor) else matrix(x)
 
 
+def _layer_projections(layer) -> tuple:
+    """A decoder layer's seven ``nn.Linear`` projections, whose weights the decoder holds in its own layout."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+def _head_is_embedding(model: torch.nn.Module) -> bool:
+    """True when the LM head's weight is the input embedding's (tied): it is then not the decoder's to replace."""
+    return model.lm_head.weight is model.model.embed_tokens.weight
+
+
 def _own_unpacked_tensors(model: torch.nn.Module) -> None:
     """Give every parameter the fp32 decoder does not replace by a view of its copies (embedding, norms, biases)
     storage of its own. Loaded in the checkpoint's dtype, transformers' parameters are views of the memory-mapped
     safetensors file; while any of them is, the whole mapping stays resident, projection weights included
     (measured, SmolLM2 fp32: 0.53 GB on top of the decoder's two copies)."""
-    projections = set()
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            projections.add(id(linear.weight))
-    if model.lm_head.weight is not model.model.embed_tokens.weight:
+    projections = {id(linear.weight) for layer in model.model.layers for linear in _layer_projections(layer)}
+    if not _head_is_embedding(model):
         projections.add(id(model.lm_head.weight))
     for parameter in model.parameters():  # each shared parameter once (a tied head is the embedding)
         if id(parameter) not in projections:

@@ -85,6 +85,12 @@ def _position_ids(attention_mask: torch.Tensor, past: int, q: int, unpadded: boo
     return position_ids[:, -q:]
 
 
+def passed_to_forward(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The arguments ``generate()`` sets that a runner's ``prepare_inputs_for_generation`` hands on to its forward
+    unchanged: ``logits_to_keep`` (1 on the prompt, ``k + 1`` in a verification), where given."""
+    return {"logits_to_keep": kwargs["logits_to_keep"]} if "logits_to_keep" in kwargs else {}
+
+
 def output(logits: torch.Tensor, cache: Any, use_cache: bool, loss: Optional[torch.Tensor] = None,
            cache_field: str = "past_key_values") -> CausalLMOutputWithPast:
     return CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field: cache if use_cache else None})

@@ -21,7 +21,7 @@ import torch
 
 from ..cache import IPEXFusedCache
 from ..torch_model import kept_positions
-from .base import Runner, causal_lm_loss, mask_and_positions, output
+from .base import Runner, causal_lm_loss, mask_and_positions, output, passed_to_forward
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -117,7 +117,7 @@ class IPEXGraphRunner(Runner):
             "attention_mask": attention_mask,
             "past_key_values": cache,
             "use_cache": kwargs.get("use_cache", True),
-            **({"logits_to_keep": kwargs["logits_to_keep"]} if "logits_to_keep" in kwargs else {}),
+            **passed_to_forward(kwargs),
         }
 
     def prepare_cache_for_generation(self, generation_config, model_kwargs, rows, transformers_args):

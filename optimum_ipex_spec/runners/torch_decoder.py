@@ -11,7 +11,7 @@ from ..compat import cache_kwarg, prepare_cache_capacity
 from ..compiled_step import CompiledDecodeStep
 from ..torch_cache import PreallocatedKVCache
 from ..torch_model import TorchCausalLMDecoder
-from .base import Runner, mask_and_positions, output
+from .base import Runner, mask_and_positions, output, passed_to_forward
 from .eager import EagerRunner
 
 #: forward arguments only transformers' own forward serves
@@ -94,7 +94,7 @@ class TorchDecoderRunner(Runner):
             "attention_mask": attention_mask,
             cache_kwarg(): cache,
             "use_cache": kwargs.get("use_cache", True),
-            **({"logits_to_keep": kwargs["logits_to_keep"]} if "logits_to_keep" in kwargs else {}),
+            **passed_to_forward(kwargs),
         }
 
     def prepare_cache_for_generation(self, generation_config, model_kwargs, rows, transformers_args):
