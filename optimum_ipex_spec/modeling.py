@@ -742,10 +742,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if self.backend == "ipex":
             save_graphs(save_directory, IPEXGraphs(decode=self.model, verify=self.verify_model))
         else:
-            # the fp32 decoder gives the model's layers views of its transposed copies (torch_model.py); a
-            # checkpoint holds each weight on its own, contiguous: the views are copied for the save (the projection
+            # in bf16 the decoder fuses q/k/v and gate/up, and the layers' weights are row slices of the fused
+            # matrices; a checkpoint holds each weight on its own: those slices are copied for the save (the fused
             # weights once more in memory while it runs)
-            state_dict = {name: tensor if tensor.is_contiguous() else tensor.contiguous()
+            state_dict = {name: tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
                           for name, tensor in self.model.state_dict().items()}
             self.model.save_pretrained(save_directory, state_dict=state_dict)
         self.generation_config.save_pretrained(save_directory)

@@ -4,17 +4,12 @@ support, or transformers 5.x).
 It runs a transformers Llama-family model (Llama, Mistral, Qwen2: pre-norm decoder layers with rotary
 position embeddings and grouped-query attention) with the model's own modules for the norms, activations and
 rotary tables, but replaces what makes stock decoding slow on a CPU: per-step cache objects and mask
-construction, and the layout of the weights. The query/key/value projections are fused into one matrix and
-gate/up into another, and each matrix is laid out for the row counts it serves
-(:mod:`~optimum_ipex_spec.onednn_weights` has the measurements):
-
-* bf16: reordered once for oneDNN's matmul (AMX here), for every row count: a decode step 1.5x faster than
-  transposed weights, a 9-token verification as cheap as a decode step;
-* fp32: transposed (``[in, out]``, contiguous: MKL's fastest one-row product, 1.1-1.3x faster than
-  ``nn.Linear``) for decode steps and long prefills, plus a oneDNN-reordered copy for chunks of 2-48 rows
-  (speculative decoding's verification: 9 tokens cost 1.6 decode steps instead of 2.3). The model's
-  ``nn.Linear`` layers are given views of the transposed copy, so the model keeps running and the weights are
-  held twice, as before, not three times.
+construction, and the matrix kernels. Dense weights are the model's own, held once: each projection is
+multiplied with the kernel that is fastest here for its row count (:mod:`~optimum_ipex_spec.dense_weights` has
+the measurements: MKL's matrix-vector product for a decode step, 1.4x faster than ``nn.Linear`` in bf16; oneDNN's
+matmul for fp32 chunks such as speculative decoding's verification, 1.3-1.9x faster). In bf16, parameters that
+are views of the memory-mapped checkpoint get memory of their own first (a decode step on mapped weights was 17%
+slower here).
 
 Only the positions ``logits_to_keep`` names go through the LM head (``generate()`` asks for one on the prompt).
 Keys/values go into a :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache`;
@@ -35,8 +30,9 @@ import torch.nn.functional as F
 
 from .facts import LLAMA_FAMILY_ARCHITECTURES, WEIGHT_FORMATS
 from .int8_weights import Int8Weight
-from .onednn_weights import FewRowsSplit, OneDNNWeight, onednn_available
+from .dense_weights import DenseProjection
 from .torch_cache import PreallocatedKVCache
+from .utils.memory import return_freed_memory
 
 #: transformers model classes whose decoder layers this module can run.
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY_ARCHITECTURES
@@ -90,20 +86,17 @@ class TorchCausalLMDecoder(torch.nn.Module):
     Args:
         model: a ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (eval mode); its
             modules are used, not copied.
-        weights: ``"dense"`` (copies in the model's dtype, laid out as the module docstring says) or ``"int8"`` (weight-only int8 with
-            per-channel scales, :class:`~optimum_ipex_spec.int8_weights.Int8Weight`; bf16 models only). With
-            ``"int8"`` the model's own projection weights (and an untied LM head) are released after packing: the
-            weights are held once, and only this decoder can run the model.
-        copies: with dense weights, True (the default) packs the fused copies described above; False keeps views
-            of the model's own weights (no copy; slower), for when one-token steps run elsewhere
-            (:class:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep`).
+        weights: ``"dense"`` (the model's own weights, no copy; see the module docstring) or ``"int8"``
+            (weight-only int8 with per-channel scales, :class:`~optimum_ipex_spec.int8_weights.Int8Weight`; bf16
+            models only). With ``"int8"`` the model's own projection weights (and an untied LM head) are released
+            after packing: the weights are held once, and only this decoder can run the model.
 
     Raises:
         ValueError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`; an unknown ``weights``;
             ``"int8"`` for a model that is not bf16.
     """
 
-    def __init__(self, model: torch.nn.Module, weights: str = "dense", copies: bool = True):
+    def __init__(self, model: torch.nn.Module, weights: str = "dense"):
         super().__init__()
         if not self.supports(model):
             raise ValueError(
@@ -116,10 +109,6 @@ class TorchCausalLMDecoder(torch.nn.Module):
             raise ValueError(f"int8 weights run with bf16 activations; this model is {model.dtype}: load it with "
                              "torch_dtype=torch.bfloat16")
         self.weights = weights
-        self.copies = copies or weights == "int8"
-        #: how dense copies are laid out: "onednn" (reordered for oneDNN's matmul, fp32/bf16) or "transposed"
-        self.layout = "onednn" if (self.copies and weights == "dense" and model.dtype in (torch.float32, torch.bfloat16)
-                                   and onednn_available()) else "transposed"
         config = model.config
         self.model = model
         self.num_heads = config.num_attention_heads
@@ -128,59 +117,59 @@ class TorchCausalLMDecoder(torch.nn.Module):
         self.num_layers = config.num_hidden_layers
         self.scaling = self.head_dim ** -0.5
         self.sliding_window: Optional[int] = layer_windows(model)[0]
-        if self.layout == "onednn" and model.dtype == torch.float32:
-            _own_unpacked_tensors(model)
+        if weights == "dense" and model.dtype == torch.bfloat16:
+            own_mapped_parameters(model)
         self._layers = []
         for layer in model.model.layers:
             self._layers.append(self._pack(layer))
             if weights == "int8":  # hold the weights once: ours, int8
                 _release(*_layer_projections(layer))
         self._lm_head = self._matrix(model.lm_head)
-        if weights == "int8" and not _head_is_embedding(model):
-            _release(model.lm_head)  # an untied head; a tied one is still the embedding
+        if weights == "int8":
+            if not _head_is_embedding(model):
+                _release(model.lm_head)  # an untied head; a tied one is still the embedding
+            own_mapped_parameters(model)  # the embedding and norms: else the whole mapped file stays resident
+        if model.dtype == torch.bfloat16:
+            return_freed_memory()  # the weights that fused (bf16) or int8 projections replaced
 
     def _matrix(self, *linears: torch.nn.Linear):
-        """One projection (the ``nn.Linear`` layers' outputs fused) as this decoder multiplies it, ``m(x)`` or
-        ``x @ m``:
+        """One projection (the ``nn.Linear`` layers' outputs concatenated) as this decoder multiplies it, ``m(x)``:
 
-        * int8 weights: an :class:`Int8Weight`;
-        * without :attr:`copies`: the view ``W.T`` of the model's weight (a tuple of views for several, whose
-          products are concatenated);
-        * ``layout == "onednn"``, bf16: a :class:`OneDNNWeight` for every row count;
-        * ``layout == "onednn"``, fp32: a :class:`FewRowsSplit` of the transposed copy ``[in, out]`` (one row) and
-          a :class:`OneDNNWeight` (more); the layers' weights become views of the transposed copy, so the model
-          still runs and holds no third copy;
-        * ``layout == "transposed"`` (no oneDNN, fp16): the transposed copy ``[in, out]``, contiguous.
+        * int8 weights: an :class:`Int8Weight` of the fused weights;
+        * bf16, several layers: one :class:`DenseProjection` of the fused weight (and bias), whose row slices
+          become the layers' own parameters (views: the weights are still held once, and the model still runs);
+        * otherwise a :class:`DenseProjection` of each layer's own weight (a tuple for several). fp32 is not fused:
+          it gains nothing measurable, and a fused copy of a memory-mapped checkpoint's weights would be a second
+          one.
         """
         weights = [linear.weight.detach() for linear in linears]
-        if not self.copies:
-            return weights[0].t() if len(weights) == 1 else tuple(w.t() for w in weights)
-        fused = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
         if self.weights == "int8":
-            return Int8Weight(fused, torch.bfloat16)
-        if self.layout == "transposed":
-            return fused.t().contiguous()
-        if fused.dtype == torch.bfloat16:
-            return OneDNNWeight(fused)
-        reordered = OneDNNWeight(fused)
-        if linears[0] is self.model.lm_head and _head_is_embedding(self.model):
-            # a tied head is the embedding: leave it, multiply one row by its view
-            return FewRowsSplit(fused.t(), reordered)
-        transposed = fused.t().contiguous()
+            return Int8Weight(weights[0] if len(weights) == 1 else torch.cat(weights, 0), torch.bfloat16)
+        if len(linears) == 1 or weights[0].dtype != torch.bfloat16:
+            projections = tuple(DenseProjection.of(linear) for linear in linears)
+            return projections[0] if len(projections) == 1 else projections
+        fused = torch.cat(weights, 0)
+        bias = None
+        if any(linear.bias is not None for linear in linears):
+            bias = torch.cat([linear.bias.detach() if linear.bias is not None else linear.weight.new_zeros(
+                linear.out_features) for linear in linears])
         offset = 0
         for linear in linears:
-            rows = linear.out_features
-            linear.weight = torch.nn.Parameter(transposed[:, offset:offset + rows].t(), requires_grad=False)
-            offset += rows
-        return FewRowsSplit(transposed, reordered)
+            rows = slice(offset, offset + linear.out_features)
+            linear.weight = torch.nn.Parameter(fused[rows], requires_grad=False)
+            if linear.bias is not None:
+                linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
+            offset += linear.out_features
+        return DenseProjection(fused, bias)
 
     def _pack(self, layer) -> tuple:
         """(qkv [hidden -> q+k+v], qkv_bias or None, o [heads*head_dim -> hidden], gate_up [hidden -> 2*inter],
-        down [inter -> hidden]) for one decoder layer, each as :meth:`_matrix` makes it."""
+        down [inter -> hidden]) for one decoder layer, each as :meth:`_matrix` makes it; dense projections add
+        their own biases (qkv_bias None)."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         bias = None
-        if any(p.bias is not None for p in projections):
+        if self.weights == "int8" and any(p.bias is not None for p in projections):
             bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
                               for p in projections])
         return (self._matrix(*projections), bias, self._matrix(attn.o_proj), self._matrix(mlp.gate_proj, mlp.up_proj),
@@ -263,15 +252,15 @@ class TorchCausalLMDecoder(torch.nn.Module):
 
 
 def _project(x: torch.Tensor, matrix) -> torch.Tensor:
-    """``x [..., in] -> [..., out]`` through a packed projection (a transposed dense weight or an int8 one), or
+    """``x [..., in] -> [..., out]`` through a projection (:class:`DenseProjection` or :class:`Int8Weight`), or
     several (a tuple) whose outputs are concatenated."""
     if isinstance(matrix, tuple):
-        return torch.cat([_project(x, m) for m in matrix], dim=-1)
-    return x @ matrix if isinstance(matrix, torch.Tensor) else matrix(x)
+        return torch.cat([m(x) for m in matrix], dim=-1)
+    return matrix(x)
 
 
 def _layer_projections(layer) -> tuple:
-    """A decoder layer's seven ``nn.Linear`` projections, whose weights the decoder holds in its own layout."""
+    """A decoder layer's seven ``nn.Linear`` projections (int8 weights replace and release them)."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
@@ -281,17 +270,37 @@ def _head_is_embedding(model: torch.nn.Module) -> bool:
     return model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def _own_unpacked_tensors(model: torch.nn.Module) -> None:
-    """Give every parameter the fp32 decoder does not replace by a view of its copies (embedding, norms, biases)
-    storage of its own. Loaded in the checkpoint's dtype, transformers' parameters are views of the memory-mapped
-    safetensors file; while any of them is, the whole mapping stays resident, projection weights included
-    (measured, SmolLM2 fp32: 0.53 GB on top of the decoder's two copies)."""
-    projections = {id(linear.weight) for layer in model.model.layers for linear in _layer_projections(layer)}
-    if not _head_is_embedding(model):
-        projections.add(id(model.lm_head.weight))
+def _mapped_file_ranges() -> list:
+    """``[(start, end)]`` address ranges of this process mapped from files (``/proc/self/maps``; empty where it
+    cannot be read)."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                    start, end = fields[0].split("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    except OSError:
+        pass
+    return ranges
+
+
+def own_mapped_parameters(model: torch.nn.Module) -> int:
+    """Give every parameter of ``model`` that is a view of a memory-mapped file (transformers loads a safetensors
+    checkpoint in its own dtype that way) memory of its own; returns how many were copied. While any parameter
+    points into the mapping, the whole mapped file stays resident (measured, SmolLM2 fp32: 0.53 GB beside the
+    weights in use), and a bf16 decode step on mapped weights was 17% slower here than on its own memory (0.5B
+    shapes, 70 vs 60 ms). One parameter is copied at a time, but the mapping is released only after the last one:
+    the peak holds the file and the copies."""
+    ranges = _mapped_file_ranges()
+    copied = 0
     for parameter in model.parameters():  # each shared parameter once (a tied head is the embedding)
-        if id(parameter) not in projections:
+        pointer = parameter.data.untyped_storage().data_ptr()
+        if parameter.numel() and any(start <= pointer < end for start, end in ranges):
             parameter.data = parameter.data.clone()
+            copied += 1
+    return copied
 
 
 def _release(*linears: torch.nn.Linear) -> None:

@@ -202,7 +202,7 @@ def test_each_compiled_model_has_its_own_code_and_recompile_budget():
     from optimum_ipex_spec.torch_model import TorchCausalLMDecoder
 
     first, second = (compiled_step.CompiledDecodeStep(TorchCausalLMDecoder(
-        build_tiny("llama", vocab_size=512).to(torch.bfloat16), copies=False)) for _ in range(2))
+        build_tiny("llama", vocab_size=512).to(torch.bfloat16))) for _ in range(2))
     assert type(first.module).forward.__code__ is not type(second.module).forward.__code__
     assert isinstance(first.module, compiled_step._DecodeStep)
 

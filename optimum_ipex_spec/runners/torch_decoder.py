@@ -22,13 +22,13 @@ class TorchDecoderRunner(Runner):
     """Our decoder for plain forwards on its own cache; transformers' forward for the rest. With
     ``torch_compile=True`` (bf16; dense or int8 weights), one-token steps of batch 1 run a
     :class:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep` (compiled in :meth:`warmup`; the eager decoder
-    if compiling fails, logged), and a dense decoder keeps views of the model's weights instead of its own copies."""
+    if compiling fails, logged); the eager decoder serves prefill and chunks on the model's own weights."""
 
     backend = "torch"
     can_draft = True
 
     def __init__(self, model, dtype, weights: str = "dense", torch_compile: bool = False):
-        self.decoder = TorchCausalLMDecoder(model, weights=weights, copies=not torch_compile)
+        self.decoder = TorchCausalLMDecoder(model, weights=weights)
         # int8: the model's own projection weights are gone, so transformers' forward cannot run it
         self.eager = EagerRunner(model) if weights == "dense" else None
         self.dtype = dtype

@@ -1,0 +1,115 @@
+"""The model's own dense weights, multiplied with the kernel that is fastest on this CPU for the row count: the
+pure-PyTorch decoder holds no copy of a weight.
+
+A weight stays the ``nn.Linear`` layer's ``[out, in]`` row-major tensor; what changes with the row count of
+``x [..., in]`` is the kernel:
+
+* 1 row (a decode step): ``torch.mv`` / ``torch.addmv`` (MKL's matrix-vector product);
+* bf16, 2 to :data:`CHUNK_MAX_ROWS` rows (speculative decoding's verification, short prompts): the product
+  computed transposed, ``(W @ x.T).T`` (``torch.mm``, then one copy of the small result);
+* fp32, :data:`FP32_ONEDNN_MIN_ROWS` to :data:`CHUNK_MAX_ROWS` rows: oneDNN's matmul on the plain weight
+  (``torch.ops.mkldnn._linear_pointwise`` takes an un-reordered weight);
+* otherwise (fp32 2-3 rows, long prefills, other dtypes): ``F.linear``, as stock transformers.
+
+Measured here, 1 thread, the sum over a model's decoder matrices (no LM head) with each multiplied once, ms
+(micro-benchmarks of the same products; weights not in cache):
+
+================================  =====  =====  =====  =====  ====================================
+Qwen2.5-Coder-1.5B shapes         1 row  2      5      9
+================================  =====  =====  =====  =====  ====================================
+fp32 ``mv``                       337
+fp32 ``F.linear``                 337    362    730    1030
+fp32 oneDNN, plain weight         367    440    485    569
+fp32 transposed copy ``x @ W.T``  313    523    680    900    a 2nd copy (this module's predecessor)
+fp32 oneDNN-reordered copy        375    400    382    475    a 2nd copy (its chunks)
+bf16 ``mv``                       194
+bf16 ``F.linear``                 280    260    265    266
+bf16 ``(W @ x.T).T``                     200    199    200
+bf16 oneDNN-reordered copy        202    200    198    201    a 2nd copy (its predecessor's layout)
+================================  =====  =====  =====  =====  ====================================
+
+SmolLM2-135M's shapes rank the same (bf16: 23 ms ``mv``, 24 ``(W @ x.T).T`` for 2-9 rows, 34 ``F.linear``;
+fp32 2-3 rows ``F.linear`` 35-38 against oneDNN 49-50). So with one copy a bf16 step or chunk is as fast as with
+the reordered copy, and in fp32 a decode step costs 7% more and a chunk 15-25% more than with two copies (on the
+whole SmolLM2 fp32 forward over a 300-token cache: 53 vs 50 ms for one token, 90 vs 69 for 5, 97 vs 78 for 9).
+Fusing q/k/v (and gate/up) into one matrix saves 7% of a bf16 SmolLM2 decode step (21.2 vs 22.8 ms) and
+nothing measurable in fp32 (within 3% either way).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("optimum_ipex_spec")
+
+#: products of more rows than this (a long prefill) go to ``F.linear``, stock's kernel, as fast from here on
+#: (measured, 0.5B shapes, 300 rows: fp32 1350 ms oneDNN vs 1300 ``F.linear``; bf16 240 ``(W @ x.T).T`` vs 228)
+CHUNK_MAX_ROWS = 128
+#: fp32 products of fewer rows than this go to ``F.linear`` (1.5B shapes, 3 rows: 379 ms vs 455 oneDNN)
+FP32_ONEDNN_MIN_ROWS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_available() -> bool:
+    """True when this torch can multiply by a plain fp32 weight with oneDNN's matmul (x86 builds with mkldnn;
+    checked once with a small product, since the op exists on builds where it fails)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(3, 16), torch.ones(8, 16), None, "none", [], "")
+        return bool(torch.all(out == 16.0))
+    except RuntimeError as error:  # a build without oneDNN's CPU matmul
+        logger.warning("oneDNN's matmul is unavailable (%s): the pure-PyTorch decoder multiplies fp32 chunks with "
+                       "F.linear instead (a verification of 9 tokens about 1.4x slower)", error)
+        return False
+
+
+class DenseProjection:
+    """``x @ W.T + b`` on a dense weight held as it is (no copy), with the kernel the module docstring picks for
+    the row count.
+
+    Args:
+        weight: ``[out, in]`` fp32 or bf16 (other dtypes run ``F.linear`` for every row count), e.g. an
+            ``nn.Linear`` layer's weight, whose memory this shares: it must not be modified in place afterwards.
+        bias: ``[out]`` or None.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        self.weight = weight.detach()
+        self.bias = bias.detach() if bias is not None else None
+        self.out_features, self.in_features = self.weight.shape
+        self._vector = self.weight.dtype in (torch.float32, torch.bfloat16)
+        self._transposed_chunks = self.weight.dtype == torch.bfloat16
+        self._onednn = self.weight.dtype == torch.float32 and self.weight.is_contiguous() and onednn_available()
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear) -> "DenseProjection":
+        """The projection of an ``nn.Linear`` layer, on its own weight and bias."""
+        return cls(linear.weight, linear.bias)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` (the weight's dtype) -> ``[..., out]``."""
+        rows = x.numel() // self.in_features
+        if rows == 1 and self._vector:
+            flat = x.reshape(self.in_features)
+            out = torch.mv(self.weight, flat) if self.bias is None else torch.addmv(self.bias, self.weight, flat)
+            return out.view(*x.shape[:-1], self.out_features)
+        if rows <= CHUNK_MAX_ROWS:
+            if self._transposed_chunks and rows > 1:
+                columns = x.reshape(rows, self.in_features).t()
+                out = (torch.mm(self.weight, columns) if self.bias is None
+                       else torch.addmm(self.bias.unsqueeze(1), self.weight, columns))
+                # contiguous: the transposed view made the attention and MLP elementwise work after it slower
+                return out.t().contiguous().view(*x.shape[:-1], self.out_features)
+            if self._onednn and rows >= FP32_ONEDNN_MIN_ROWS:
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,176 @@
+"""The pure-PyTorch decoder's dense weights: the model's own, held once, multiplied with the kernel picked by row
+count (the same products as ``F.linear``), the mapped checkpoint released in bf16, and transformers'
+``logits_to_keep``."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import build_tiny
+from optimum_ipex_spec import IPEXModelForCausalLM
+from optimum_ipex_spec.dense_weights import CHUNK_MAX_ROWS, FP32_ONEDNN_MIN_ROWS, DenseProjection, onednn_available
+from optimum_ipex_spec.torch_model import TorchCausalLMDecoder, kept_positions
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 2, FP32_ONEDNN_MIN_ROWS, 9, CHUNK_MAX_ROWS, CHUNK_MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_match_linear_for_every_kernel(dtype, tolerance, rows, bias):
+    """Each row count's kernel (mv / addmv, (W @ x.T).T in bf16, oneDNN on the plain weight in fp32, F.linear)
+    against fp32 F.linear, with batch 2 (the transposed bf16 product reshaped back)."""
+    generator = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(64, 96, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(96, 64, generator=generator) * 0.1)
+        if bias:
+            linear.bias.copy_(torch.randn(96, generator=generator))
+    linear = linear.to(dtype)
+    x = torch.randn(2 if rows > 1 else 1, rows, 64, generator=generator).to(dtype)
+    expected = F.linear(x.float(), linear.weight.float(), linear.bias.float() if bias else None)
+    projection = DenseProjection.of(linear)
+    got = projection(x)
+    assert got.shape == (x.shape[0], rows, 96) and got.dtype == dtype
+    assert (got.float() - expected).abs().max().item() < tolerance * max(1.0, expected.abs().max().item())
+    assert projection.shape == (96, 64)
+    assert projection.weight.data_ptr() == linear.weight.data_ptr()  # the layer's own weight, not a copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decoder_holds_the_weights_once_and_the_model_still_runs(dtype):
+    """Every projection (q/k/v with biases, the untied head) multiplies the model's own parameters: in fp32 each
+    layer's, in bf16 a fused q/k/v (gate/up) matrix whose row slices the layers now hold. The model's own forward
+    gives the logits it gave before."""
+    model = build_tiny("qwen2").to(dtype)  # q/k/v biases, untied head
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(ids).logits
+    decoder = TorchCausalLMDecoder(model)
+    layer = model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, bias, o, gate_up, down = decoder._layers[0]
+    assert bias is None
+    if dtype == torch.float32:
+        assert [p.weight.data_ptr() for p in qkv] == [attn.q_proj.weight.data_ptr(), attn.k_proj.weight.data_ptr(),
+                                                      attn.v_proj.weight.data_ptr()]
+        assert qkv[0].bias.data_ptr() == attn.q_proj.bias.data_ptr()
+    else:
+        assert attn.q_proj.weight.data_ptr() == qkv.weight.data_ptr()  # row slices of the fused matrix
+        assert attn.k_proj.weight.untyped_storage().data_ptr() == qkv.weight.untyped_storage().data_ptr()
+        assert attn.v_proj.bias.untyped_storage().data_ptr() == qkv.bias.untyped_storage().data_ptr()
+        assert mlp.up_proj.weight.untyped_storage().data_ptr() == gate_up.weight.untyped_storage().data_ptr()
+    assert o.weight.data_ptr() == attn.o_proj.weight.data_ptr() and down.weight.data_ptr() == mlp.down_proj.weight.data_ptr()
+    assert decoder._lm_head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    with torch.no_grad():
+        assert (model(ids).logits.float() - before.float()).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_saved_torch_export_holds_each_weight_on_its_own(tmp_path, dtype):
+    """save_pretrained of the torch backend writes every weight (the bf16 layers' fused slices copied apart), and
+    loading it gives the same weights and logits (bf16: within rounding, because transformers rounds the rotary
+    tables of a model loaded from a bf16 checkpoint differently from one converted from fp32)."""
+    build_tiny("qwen2").save_pretrained(tmp_path / "checkpoint")  # fp32, as the real checkpoints here
+    model = IPEXModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint"), export=True, torch_dtype=dtype,
+                                                 backend="torch")
+    model.save_pretrained(tmp_path / "export")
+    loaded = IPEXModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(4))
+    weights = {name: tensor for name, tensor in model.model.state_dict().items() if "rotary" not in name}
+    assert all(torch.equal(loaded.model.state_dict()[name], tensor) for name, tensor in weights.items())
+    with torch.no_grad():
+        difference = (loaded(ids).logits.float() - model(ids).logits.float()).abs().max().item()
+    assert difference == 0.0 if dtype == torch.float32 else difference < 0.02
+
+
+def test_a_tied_head_multiplies_the_embedding():
+    model = build_tiny("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    embedding = model.model.embed_tokens.weight
+    decoder = TorchCausalLMDecoder(model)
+    assert model.model.embed_tokens.weight is embedding and model.lm_head.weight is embedding
+    assert decoder._lm_head.weight.data_ptr() == embedding.data_ptr()
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_fp32_and_bf16_decoders_match_transformers_with_or_without_onednn(monkeypatch, available):
+    """A prefill longer than CHUNK_MAX_ROWS (F.linear), a decode step (mv), a 9-token chunk (oneDNN in fp32,
+    transposed in bf16); without oneDNN (monkeypatched) F.linear serves the fp32 chunk."""
+    if available and not onednn_available():
+        pytest.skip("this torch build has no oneDNN matmul")
+    monkeypatch.setattr("optimum_ipex_spec.dense_weights.onednn_available", lambda: available)
+    length = CHUNK_MAX_ROWS + 20
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
+        model = build_tiny("llama").to(dtype)
+        ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            reference = model(ids).logits.float()
+        decoder = TorchCausalLMDecoder(model)
+        assert decoder._layers[0][2]._onednn is (available and dtype == torch.float32)
+        cache = decoder.new_cache(1, length, dtype)
+        pieces = []
+        for start, stop in ((0, length - 10), (length - 10, length - 9), (length - 9, length)):
+            positions = torch.arange(start, stop)[None]
+            pieces.append(decoder(ids[:, start:stop], positions, torch.ones(1, stop, dtype=torch.long), cache, True))
+        got = torch.cat(pieces, 1).float()
+        assert (got - reference).abs().max().item() < tolerance, dtype
+
+
+def test_kept_positions_follows_transformers():
+    x = torch.arange(2 * 5).reshape(2, 5, 1)
+    assert torch.equal(kept_positions(x, 0), x)
+    assert torch.equal(kept_positions(x, 1), x[:, -1:])
+    assert torch.equal(kept_positions(x, 3), x[:, 2:])
+    assert torch.equal(kept_positions(x, torch.tensor([0, 4])), x[:, [0, 4]])
+    for bad in (-1, 1.5, True, torch.ones(2, 2, dtype=torch.long), torch.tensor([0.5])):
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            kept_positions(x, bad)
+
+
+@pytest.mark.parametrize("backend", ["torch", "ipex"])
+def test_logits_to_keep_in_forward_and_generate(backend, tokenizer, request):
+    """model(..., logits_to_keep=n) returns the last n positions' logits; generate() asks for one on the prompt,
+    and the pure-PyTorch decoder then runs its LM head on one row."""
+    if backend == "ipex":
+        request.getfixturevalue("ipex_available")
+    stock = build_tiny("llama")
+    model = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama"), backend=backend)
+    ids = torch.randint(0, stock.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = model(ids).logits
+        assert full.shape[1] == 12
+        # the head over fewer rows may take another kernel (fp32 rounding only)
+        assert torch.allclose(model(ids, logits_to_keep=1).logits, full[:, -1:], atol=1e-5)
+        assert model(ids, logits_to_keep=1).logits.shape[1] == 1
+        assert torch.allclose(model(ids, logits_to_keep=torch.tensor([2, 5])).logits, full[:, [2, 5]], atol=1e-5)
+    rows = []
+    if backend == "torch":
+        head = model.runner.decoder._lm_head
+        model.runner.decoder._lm_head = lambda x: (rows.append(x.shape[-2]), head(x))[1]
+    inputs = tokenizer(["def add(a, b):\n    return a"], return_tensors="pt")
+    got = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, stock.generate(**inputs, max_new_tokens=6, do_sample=False))
+    if backend == "torch":
+        assert rows and all(r == 1 for r in rows), rows  # the prompt's head ran on its last position only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_parameter_points_into_a_released_checkpoint(tmp_path, dtype):
+    """Loaded in the checkpoint's dtype, transformers' parameters are views of the mapped safetensors file. fp32
+    keeps them there (they are the weights, held once); bf16 gives them memory of their own (a faster decode step),
+    and then no parameter may still point into the file (the whole file would stay resident)."""
+    import gc
+
+    build_tiny("llama").to(dtype).save_pretrained(tmp_path)
+    checkpoint = str(next(tmp_path.glob("*.safetensors")).resolve())
+    model = IPEXModelForCausalLM.from_pretrained(str(tmp_path), export=True, torch_dtype=dtype, backend="torch")
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        mapped = [line for line in maps if checkpoint in line]
+    if dtype == torch.bfloat16:
+        assert not mapped, mapped
+    # either way the weights are the model's and the output is transformers'
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    stock = build_tiny("llama").to(dtype)
+    with torch.no_grad():
+        assert (model(ids).logits.float() - stock(ids).logits.float()).abs().max().item() < (
+            1e-5 if dtype == torch.float32 else 0.05)
