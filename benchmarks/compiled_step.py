@@ -70,6 +70,7 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
     identical = {name: [True] * len(prompts) for name, _, _ in configs}
+    views = {name: [None] * len(prompts) for name, _, extra in configs if "assistant_model" in extra}
     for _ in range(args.rounds):
         for i, prompt in enumerate(prompts):
             inputs = tokenizer(prompt, return_tensors="pt")
@@ -78,6 +79,8 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
                 outputs[name], timing = timed_generate(model, inputs, **gen, **extra)
                 samples[name][i].append(timing)
                 identical[name][i] &= torch.equal(outputs[name], outputs["stock"])
+                if name in views and model.last_cost_model is not None:  # the last round's view of this prompt
+                    views[name][i] = model.last_cost_model.report()
                 print(f"  {dtype_name} prompt {i} {name}: {timing.decode_tokens_per_s:.1f} tok/s, "
                       f"TTFT {timing.ttft_s:.2f} s", file=sys.stderr, flush=True)
     rate = per_prompt_medians(samples, "decode_tokens_per_s")
@@ -96,6 +99,7 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
             "identical_prompts": sum(identical[name]),
             "load_rss_gb": loads[name][0] if name in loads else None,
             "load_s": loads[name][1] if name in loads else None,
+            "cost_model_by_prompt": views.get(name),
         })
     # the drafts' loads are their own rows' extra memory
     for name in ("bf16 self-draft, eager", "bf16 self-draft, compiled", "int8 self-draft, compiled"):
@@ -131,6 +135,23 @@ def render(result) -> str:
                 f"| x{row['ratio_vs_stock_static']:.2f} | x{row['ratio_vs_ours_eager']:.2f} "
                 f"(x{row['worst_ratio_vs_ours_eager']:.2f}) | {row['median_ttft_s']:.2f} | x{row['ttft_vs_stock']:.2f} "
                 f"| {row['identical_prompts']}/{result['prompt_count']} | {load} | {rss} |")
+    views = [(run["dtype"], row) for run in result["runs"] for row in run["rows"] if row.get("cost_model_by_prompt")]
+    if views:
+        lines += ["", "The cost model's view of each draft row, per prompt (last round; `target.last_cost_model.report()`): "
+                  "draft ms per token, one-token decode ms (`-`: never run), verification ms by chunk length, "
+                  "chosen draft lengths and rounds without the draft.", "",
+                  "| dtype | configuration | prompt | draft ms/token | decode ms | verify ms by k | chosen k: rounds | "
+                  "rounds off / rounds |", "|---|---|---|---|---|---|---|---|"]
+        for dtype, row in views:
+            for i, view in enumerate(row["cost_model_by_prompt"]):
+                if view is None:
+                    continue
+                verify = ", ".join(f"{k}: {ms:.0f}" for k, ms in view["verify_ms_by_k"].items())
+                chosen = ", ".join(f"{k}: {n}" for k, n in view["chosen_k"].items())
+                decode = "-" if view["decode_ms"] is None else f"{view['decode_ms']:.1f}"
+                draft = "-" if view["draft_ms_per_token"] is None else f"{view['draft_ms_per_token']:.1f}"
+                lines.append(f"| {dtype} | {row['config']} | {i} | {draft} | {decode} | {verify} | {chosen} | "
+                             f"{view['rounds_off']} / {view['rounds']} |")
     lines += [
         "",
         "Notes:",

@@ -117,7 +117,7 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
     weight_bytes = sum(p.numel() * p.element_size() for p in stock.parameters()) if stock is not None else None
     result = {
         "target_dtype": dtype_name, "draft_dtype": str(draft_dtype).replace("torch.", ""), "k": args.k,
-        "export_s": export_s, "rss_ours_gb": ours_memory["VmRSS"], "rows": rows,
+        "export_s": export_s, "rss_ours_gb": ours_memory["VmRSS"], "peak_rss_gb": _rss()["VmHWM"], "rows": rows,
         "acceptance_rate": accepted / proposed if proposed else None,
         "target_weight_gb": weight_bytes / GB if weight_bytes else None,
     }
@@ -146,11 +146,15 @@ def render(result) -> str:
                 f"{row['config']} | {row['median_decode_tok_s']:.2f} | x{row['ratio_vs_ours_alone']:.2f} "
                 f"(x{row['worst_ratio_vs_ours_alone']:.2f}) | {vs_stock} | {row['median_ttft_s']:.2f} | "
                 f"{'identical' if row['identical_to_ours_alone'] else 'DIFFERENT'} |")
-    lines += ["", "| target dtype | export s (target) | acceptance rate | process RSS after loading ours (target + draft) GB |",
-              "|---|---|---|---|"]
+    lines += ["", "| target dtype | export s (target) | acceptance rate | process RSS after loading ours (target + draft) GB "
+              "| process peak RSS so far GB |", "|---|---|---|---|---|"]
     for run in result["runs"]:
         acceptance = f"{run['acceptance_rate']:.1%}" if run["acceptance_rate"] is not None else "-"
-        lines.append(f"| {run['target_dtype']} | {run['export_s']:.0f} | {acceptance} | {run['rss_ours_gb']:.2f} |")
+        peak = f"{run['peak_rss_gb']:.2f}" if run.get("peak_rss_gb") is not None else "-"
+        lines.append(f"| {run['target_dtype']} | {run['export_s']:.0f} | {acceptance} | {run['rss_ours_gb']:.2f} | {peak} |")
+    lines += ["", "RSS after loading counts only the pages read so far: an fp32 target is the memory-mapped checkpoint, "
+              "read during generation. The peak (VmHWM) is the process's, stock transformers' target included "
+              "unless `--no-stock`; in the second section it includes the first's."]
     return "\n".join(lines) + "\n"
 
 

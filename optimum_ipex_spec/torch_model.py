@@ -32,7 +32,7 @@ from .facts import LLAMA_FAMILY_ARCHITECTURES, WEIGHT_FORMATS
 from .int8_weights import Int8Weight
 from .dense_weights import DenseProjection
 from .torch_cache import PreallocatedKVCache
-from .utils.memory import return_freed_memory
+from .utils.memory import page_out, return_freed_memory
 
 #: transformers model classes whose decoder layers this module can run.
 SUPPORTED_ARCHITECTURES = LLAMA_FAMILY_ARCHITECTURES
@@ -156,9 +156,9 @@ class TorchCausalLMDecoder(torch.nn.Module):
         offset = 0
         for linear in linears:
             rows = slice(offset, offset + linear.out_features)
-            linear.weight = torch.nn.Parameter(fused[rows], requires_grad=False)
+            linear.weight = torch.nn.Parameter(fused[rows], requires_grad=linear.weight.requires_grad)
             if linear.bias is not None:
-                linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
+                linear.bias = torch.nn.Parameter(bias[rows], requires_grad=linear.bias.requires_grad)
             offset += linear.out_features
         return DenseProjection(fused, bias)
 
@@ -271,14 +271,15 @@ def _head_is_embedding(model: torch.nn.Module) -> bool:
 
 
 def _mapped_file_ranges() -> list:
-    """``[(start, end)]`` address ranges of this process mapped from files (``/proc/self/maps``; empty where it
-    cannot be read)."""
+    """``[(start, end)]`` address ranges of this process privately mapped from files (``/proc/self/maps``; empty where
+    it cannot be read)."""
     ranges = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                # a private mapping of a file (safetensors maps its file so; shared memory is "s")
+                if len(fields) == 6 and fields[1].endswith("p") and fields[4] != "0" and fields[5].startswith("/"):
                     start, end = fields[0].split("-")
                     ranges.append((int(start, 16), int(end, 16)))
     except OSError:
@@ -291,15 +292,24 @@ def own_mapped_parameters(model: torch.nn.Module) -> int:
     checkpoint in its own dtype that way) memory of its own; returns how many were copied. While any parameter
     points into the mapping, the whole mapped file stays resident (measured, SmolLM2 fp32: 0.53 GB beside the
     weights in use), and a bf16 decode step on mapped weights was 17% slower here than on its own memory (0.5B
-    shapes, 70 vs 60 ms). One parameter is copied at a time, but the mapping is released only after the last one:
-    the peak holds the file and the copies."""
+    shapes, 70 vs 60 ms). After each copy the pages it was copied from leave the process's RSS
+    (:func:`~optimum_ipex_spec.utils.memory.page_out`, which never discards a written page; pages another
+    tensor of the model also views stay), so the peak is the copies plus one parameter, not the copies plus the
+    file. Only private file mappings count (``MAP_SHARED`` memory, e.g. after ``share_memory()``, is left alone)."""
     ranges = _mapped_file_ranges()
+    tensors = list(model.parameters()) + list(model.buffers())  # each shared parameter once (a tied head too)
+    extents = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
     copied = 0
-    for parameter in model.parameters():  # each shared parameter once (a tied head is the embedding)
-        pointer = parameter.data.untyped_storage().data_ptr()
-        if parameter.numel() and any(start <= pointer < end for start, end in ranges):
+    for index, parameter in enumerate(model.parameters()):
+        start, end = extents[index]
+        if parameter.numel() and any(low <= start < high for low, high in ranges):
+            contiguous = parameter.data.is_contiguous()
             parameter.data = parameter.data.clone()
             copied += 1
+            # pages another tensor also views stay; a contiguous parameter's bytes are exactly [start, end)
+            aliased = any(other != index and low < end and start < high for other, (low, high) in enumerate(extents))
+            if contiguous and not aliased:
+                page_out(start, end - start)
     return copied
 
 

@@ -174,3 +174,46 @@ def test_no_parameter_points_into_a_released_checkpoint(tmp_path, dtype):
     with torch.no_grad():
         assert (model(ids).logits.float() - stock(ids).logits.float()).abs().max().item() < (
             1e-5 if dtype == torch.float32 else 0.05)
+
+
+def test_paged_out_pages_of_a_file_mapping_keep_their_content(tmp_path):
+    """page_out takes a mapped tensor's whole pages out of the RSS; reading it again faults clean pages back in from
+    the file, and a page written since it was mapped (a private mapping's copy-on-write page) keeps what was
+    written (MADV_DONTNEED would revert it to the file's content)."""
+    import mmap
+
+    from optimum_ipex_spec.utils.memory import page_out
+
+    values = torch.arange(4 * mmap.PAGESIZE, dtype=torch.float32)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(values.numpy().tobytes())
+    mapped = torch.from_file(str(path), shared=False, size=values.numel(), dtype=torch.float32)
+    assert torch.equal(mapped, values)  # resident now
+    mapped[mmap.PAGESIZE] = -1.0  # written: a private copy of that page
+    expected = values.clone()
+    expected[mmap.PAGESIZE] = -1.0
+    asked = page_out(mapped.data_ptr() + 5, mapped.numel() * 4 - 5)  # not page-aligned: whole pages only
+    assert asked in (0, (mapped.numel() * 4 // mmap.PAGESIZE - 1) * mmap.PAGESIZE)  # 0: a kernel before 5.4
+    assert torch.equal(mapped, expected)
+
+
+def test_an_export_leaves_other_views_of_an_edited_mapped_checkpoint_alone(tmp_path):
+    """A bf16 checkpoint loaded mapped, a weight edited in place (a LoRA merge) while another tensor (an earlier
+    state_dict) views it: the export copies the parameters, and the other view still shows the edit."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny("llama").to(torch.bfloat16).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2)
+    earlier = model.state_dict()
+    edited = earlier["model.layers.0.mlp.down_proj.weight"].clone()
+    IPEXModelForCausalLM.from_transformers_model(model, backend="torch")
+    assert torch.equal(earlier["model.layers.0.mlp.down_proj.weight"], edited)
+
+
+def test_a_bf16_export_keeps_the_parameters_trainable_flags():
+    model = build_tiny("qwen2").to(torch.bfloat16)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    IPEXModelForCausalLM.from_transformers_model(model, backend="torch")
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags

@@ -1,10 +1,12 @@
-"""Handing memory the process has freed back to the operating system."""
+"""Handing memory back to the operating system: freed heap blocks, and pages of a memory-mapped checkpoint
+already copied."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import mmap
 import sys
 
 
@@ -31,3 +33,35 @@ def return_freed_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+#: Linux's ``MADV_PAGEOUT`` (5.4+): reclaim the pages, never discard data (a page written since it was mapped is
+#: kept, or swapped); ``MADV_DONTNEED`` would revert such a page of a private mapping to the file's content
+_MADV_PAGEOUT = 21
+
+
+@functools.lru_cache(maxsize=None)
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def page_out(address: int, nbytes: int) -> int:
+    """Ask Linux to reclaim the whole pages inside ``[address, address + nbytes)`` (``madvise(MADV_PAGEOUT)``):
+    clean pages of a file mapping (a memory-mapped checkpoint already copied) leave the process's RSS, and a later
+    read faults them back in from the file; a page that was written keeps its content. Returns the bytes asked for
+    (0 where it cannot: another OS, an older kernel)."""
+    madvise = _madvise()
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    if madvise is None or end <= start:
+        return 0
+    return end - start if madvise(start, end - start, _MADV_PAGEOUT) == 0 else 0
