@@ -641,7 +641,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             config.architectures = [type(model).__name__]
         check_causal_lm_config(config, type(model).__name__)
         dtype = resolve_dtype(dtype if dtype is not None else model.dtype, config)
-        model = model.to(dtype).eval()
+        # already in dtype (from_pretrained loads it so): no .to(), which would also round float buffers such as the
+        # rotary inv_freq that transformers keeps in fp32 (bf16 logits then drifted from stock's by up to 5e-2)
+        model = (model if model.dtype == dtype else model.to(dtype)).eval()
         generation_config = generation_config or getattr(model, "generation_config", None)
         if weights != "dense":  # our decoder's format (make_runner checks the architecture and dtype)
             if backend == "ipex":

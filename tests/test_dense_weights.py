@@ -217,3 +217,19 @@ def test_a_bf16_export_keeps_the_parameters_trainable_flags():
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
     IPEXModelForCausalLM.from_transformers_model(model, backend="torch")
     assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+
+
+@pytest.mark.parametrize("backend", ["torch", "ipex"])
+def test_a_bf16_export_keeps_the_buffers_transformers_loaded(tmp_path, backend, request):
+    """from_pretrained(export=True, torch_dtype=bf16) exports the model transformers loaded as it is: its rotary
+    inv_freq stays fp32, as in a stock bf16 load (a .to(bf16) of the whole model rounded it)."""
+    from transformers import AutoModelForCausalLM
+
+    if backend == "ipex":
+        request.getfixturevalue("ipex_available")
+    build_tiny("llama").save_pretrained(tmp_path)
+    stock = AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.bfloat16)
+    IPEXModelForCausalLM.from_transformers_model(loaded, backend=backend)
+    want = stock.model.rotary_emb.inv_freq
+    assert want.dtype == torch.float32 and torch.equal(loaded.model.rotary_emb.inv_freq, want)
