@@ -148,11 +148,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
         if len(linears) == 1 or weights[0].dtype != torch.bfloat16:
             projections = tuple(DenseProjection.of(linear) for linear in linears)
             return projections[0] if len(projections) == 1 else projections
-        fused = torch.cat(weights, 0)
-        bias = None
-        if any(linear.bias is not None for linear in linears):
-            bias = torch.cat([linear.bias.detach() if linear.bias is not None else linear.weight.new_zeros(
-                linear.out_features) for linear in linears])
+        fused, bias = torch.cat(weights, 0), _fused_bias(linears)
         offset = 0
         for linear in linears:
             rows = slice(offset, offset + linear.out_features)
@@ -168,10 +164,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
         their own biases (qkv_bias None)."""
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        bias = None
-        if self.weights == "int8" and any(p.bias is not None for p in projections):
-            bias = torch.cat([p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features)
-                              for p in projections])
+        bias = _fused_bias(projections) if self.weights == "int8" else None
         return (self._matrix(*projections), bias, self._matrix(attn.o_proj), self._matrix(mlp.gate_proj, mlp.up_proj),
                 self._matrix(mlp.down_proj))
 
@@ -259,6 +252,15 @@ def _project(x: torch.Tensor, matrix) -> torch.Tensor:
     return matrix(x)
 
 
+def _fused_bias(linears) -> Optional[torch.Tensor]:
+    """The biases of ``linears`` concatenated as their fused output is (zeros for a layer without one), or None
+    when none has a bias."""
+    if all(linear.bias is None for linear in linears):
+        return None
+    return torch.cat([linear.bias.detach() if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+                      for linear in linears])
+
+
 def _layer_projections(layer) -> tuple:
     """A decoder layer's seven ``nn.Linear`` projections (int8 weights replace and release them)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -297,10 +299,10 @@ def own_mapped_parameters(model: torch.nn.Module) -> int:
     tensor of the model also views stay), so the peak is the copies plus one parameter, not the copies plus the
     file. Only private file mappings count (``MAP_SHARED`` memory, e.g. after ``share_memory()``, is left alone)."""
     ranges = _mapped_file_ranges()
-    tensors = list(model.parameters()) + list(model.buffers())  # each shared parameter once (a tied head too)
-    extents = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
+    parameters = list(model.parameters())  # each shared parameter once (a tied head too)
+    extents = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parameters + list(model.buffers())]
     copied = 0
-    for index, parameter in enumerate(model.parameters()):
+    for index, parameter in enumerate(parameters):
         start, end = extents[index]
         if parameter.numel() and any(low <= start < high for low, high in ranges):
             contiguous = parameter.data.is_contiguous()

@@ -11,14 +11,20 @@ import sys
 
 
 @functools.lru_cache(maxsize=None)
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None (another C library, another OS)."""
+def _libc():
+    """The C library (errno kept for each call), or None: another OS, or none that ctypes can load."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library, another OS)."""
+    return getattr(_libc(), "malloc_trim", None)
 
 
 def return_freed_memory() -> bool:
@@ -42,14 +48,10 @@ _MADV_PAGEOUT = 21
 
 @functools.lru_cache(maxsize=None)
 def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is not None:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise.restype = ctypes.c_int
     return madvise
 
 
