@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache import IPEXFusedCache
 from .candidates import StoppingCriteriaAwareCandidates, stop_proposals_at_stopping_criteria
+from .checkpoint_loading import load_causal_lm
 from .compat import GenerationCompatMixin
 from .compiled_step import check_torch_compile, check_torch_compile_flag
 from .cost_model import COST_SCHEDULE, CostModel, speculate_by_cost
@@ -475,7 +476,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 raise ValueError("weights='int8' runs on our pure-PyTorch decoder with bf16 activations: pass "
                                  "torch_dtype=torch.bfloat16 and backend='auto' or 'torch'")
             draft = type(self).from_transformers_model(
-                AutoModelForCausalLM.from_pretrained(self.source, torch_dtype=torch.bfloat16),
+                load_causal_lm(self.source, torch.bfloat16),
                 dtype=torch.bfloat16, backend="torch", source=self.source, weights="int8", torch_compile=torch_compile)
         elif resolve_dtype(torch_dtype) == self._dtype:
             raise ValueError(
@@ -594,11 +595,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             token=token,
             local_files_only=local_files_only,
             trust_remote_code=trust_remote_code,
-            torch_dtype=dtype,
         )
         if subfolder:
             load_kwargs["subfolder"] = subfolder
-        eager = AutoModelForCausalLM.from_pretrained(model_id, **load_kwargs)
+        eager = load_causal_lm(model_id, dtype, **load_kwargs)  # a local fp32 checkpoint read straight into bf16
         return cls.from_transformers_model(
             eager, dtype=dtype, backend=backend, generation_config=eager.generation_config, source=model_id,
             torch_compile=torch_compile,

@@ -67,19 +67,20 @@ def test_the_decoder_holds_the_weights_once_and_the_model_still_runs(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_saved_torch_export_holds_each_weight_on_its_own(tmp_path, dtype):
     """save_pretrained of the torch backend writes every weight (the bf16 layers' fused slices copied apart), and
-    loading it gives the same weights and logits (bf16: within rounding, because transformers rounds the rotary
-    tables of a model loaded from a bf16 checkpoint differently from one converted from fp32)."""
+    loading it gives exactly the same tensors (buffers included) and logits."""
     build_tiny("qwen2").save_pretrained(tmp_path / "checkpoint")  # fp32, as the real checkpoints here
     model = IPEXModelForCausalLM.from_pretrained(str(tmp_path / "checkpoint"), export=True, torch_dtype=dtype,
                                                  backend="torch")
     model.save_pretrained(tmp_path / "export")
     loaded = IPEXModelForCausalLM.from_pretrained(str(tmp_path / "export"))
     ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(4))
-    weights = {name: tensor for name, tensor in model.model.state_dict().items() if "rotary" not in name}
-    assert all(torch.equal(loaded.model.state_dict()[name], tensor) for name, tensor in weights.items())
+    tensors = {**model.model.state_dict(), **dict(model.model.named_buffers())}
+    loaded_tensors = {**loaded.model.state_dict(), **dict(loaded.model.named_buffers())}
+    assert sorted(loaded_tensors) == sorted(tensors)
+    assert all(loaded_tensors[name].dtype == t.dtype and torch.equal(loaded_tensors[name], t)
+               for name, t in tensors.items())
     with torch.no_grad():
-        difference = (loaded(ids).logits.float() - model(ids).logits.float()).abs().max().item()
-    assert difference == 0.0 if dtype == torch.float32 else difference < 0.02
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 def test_a_tied_head_multiplies_the_embedding():
@@ -210,6 +211,17 @@ def test_an_export_leaves_other_views_of_an_edited_mapped_checkpoint_alone(tmp_p
     edited = earlier["model.layers.0.mlp.down_proj.weight"].clone()
     IPEXModelForCausalLM.from_transformers_model(model, backend="torch")
     assert torch.equal(earlier["model.layers.0.mlp.down_proj.weight"], edited)
+
+
+def test_an_export_leaves_shared_memory_parameters_where_they_are():
+    """share_memory() puts parameters in MAP_SHARED memory (other processes may read it): not a checkpoint
+    mapping, so the export does not copy them away (only bf16's fused q/k/v and gate/up get new memory)."""
+    model = build_tiny("llama").to(torch.bfloat16)
+    model.share_memory()
+    kept = {name: p.data_ptr() for name, p in model.named_parameters() if "o_proj" in name or "down_proj" in name}
+    IPEXModelForCausalLM.from_transformers_model(model, backend="torch")
+    parameters = dict(model.named_parameters())
+    assert kept and all(parameters[name].data_ptr() == ptr and parameters[name].is_shared() for name, ptr in kept.items())
 
 
 def test_a_bf16_export_keeps_the_parameters_trainable_flags():
