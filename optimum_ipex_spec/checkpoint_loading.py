@@ -12,7 +12,8 @@ peak is the weights in the export dtype plus one piece. The result equals transf
 and dtypes (tests compare every tensor with ``torch.equal`` for each supported architecture and the real
 checkpoints).
 
-Anything else goes to transformers' ``from_pretrained`` unchanged: a checkpoint already in the dtype asked for
+Anything else goes to transformers' ``from_pretrained`` unchanged: an architecture outside
+:data:`VERIFIED_ARCHITECTURES`, a checkpoint already in the dtype asked for
 (transformers maps it, no copy), a hub id, ``.bin`` weights, GGUF, quantized or remote-code models, models that
 keep modules in fp32, or a file whose tensor names or shapes are not exactly the model's (renamed, missing or
 extra keys, which transformers knows how to handle). The safetensors layout read here is the format's own
@@ -32,6 +33,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from .compat import transformers_major
+from .facts import LLAMA_FAMILY_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,11 @@ SAFETENSORS_DTYPES = {
 }
 # what transformers' from_pretrained accepts and means the same for a local folder
 LOCAL_NEUTRAL_KWARGS = ("revision", "cache_dir", "force_download", "token", "local_files_only", "trust_remote_code")
+
+#: architectures whose converting load is tested equal to transformers' in both lanes. Others go to transformers: a
+#: model may compute a buffer at construction that transformers 5's from_pretrained computes otherwise (GPT-J's
+#: rotary table came out in bf16 precision, where transformers' is fp32-exact)
+VERIFIED_ARCHITECTURES = LLAMA_FAMILY_ARCHITECTURES + ("Gemma3ForCausalLM", "GPT2LMHeadModel")
 
 TensorEntry = Tuple[str, int, torch.dtype, Tuple[int, ...], int, int]  # file, data start, dtype, shape, begin, end
 
@@ -108,6 +115,9 @@ def conversion_plan(folder: str, dtype: torch.dtype, kwargs: dict) -> Optional[T
         return decline(f"config: {exc}")
     if getattr(config, "auto_map", None) or getattr(config, "quantization_config", None):
         return decline("remote code or a quantized checkpoint")
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures or any(name not in VERIFIED_ARCHITECTURES for name in architectures):
+        return decline(f"architecture {architectures} not among {VERIFIED_ARCHITECTURES}")
     try:
         entries = _tensor_table(folder, files)
     except (OSError, ValueError, KeyError) as exc:

@@ -96,6 +96,20 @@ def _rewrite_weights(folder, edit):
     save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
 
 
+def test_unverified_architecture_goes_to_transformers(tmp_path, conversions):
+    """GPT-J computes its rotary table at construction; under a bf16 build it came out less exact than transformers
+    5's load: architectures not tested equal take transformers' path."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(5)
+    model = GPTJForCausalLM(GPTJConfig(n_embd=64, n_layer=2, n_head=4, vocab_size=256, rotary_dim=8, n_positions=64))
+    model.config.architectures = ["GPTJForCausalLM"]
+    model.save_pretrained(tmp_path)
+    ours = load_causal_lm(str(tmp_path), torch.bfloat16)
+    assert conversions == []
+    assert_same_model(ours, stock(str(tmp_path), torch.bfloat16))
+
+
 def test_extra_tensor_goes_to_transformers(tmp_path, conversions):
     build_tiny("llama").save_pretrained(tmp_path)
     _rewrite_weights(tmp_path, lambda w: w.update({"model.unused_extra": torch.ones(3)}))
