@@ -15,8 +15,9 @@ checkpoints).
 Anything else goes to transformers' ``from_pretrained`` unchanged: an architecture outside
 :data:`VERIFIED_ARCHITECTURES`, a checkpoint already in the dtype asked for
 (transformers maps it, no copy), a hub id, ``.bin`` weights, GGUF, quantized or remote-code models, models that
-keep modules in fp32, or a file whose tensor names or shapes are not exactly the model's (renamed, missing or
-extra keys, which transformers knows how to handle). The safetensors layout read here is the format's own
+keep modules in fp32, a ``subfolder``, a folder without ``generation_config.json``, a file not marked
+``format: pt`` or whose byte ranges are not its shapes (transformers refuses those), or a file whose tensor names or
+shapes are not exactly the model's (renamed, missing or extra keys, which transformers knows how to handle). The safetensors layout read here is the format's own
 specification: an 8-byte little-endian header length, a JSON header giving each tensor's dtype, shape and byte
 offsets, then the data (https://github.com/huggingface/safetensors#format).
 """
@@ -80,7 +81,7 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, **kwargs) -> PreTrainedMod
         return AutoModelForCausalLM.from_pretrained(model_id, **{**kwargs, _dtype_kwarg(): dtype})
     config, entries = plan
     model = _build_uninitialised(config, dtype)
-    reason = "it keeps modules in fp32" if model is None else _mismatch(model, entries)
+    reason = "an unverified class, or modules kept in fp32" if model is None else _mismatch(model, entries)
     if reason is not None:
         logger.debug("%s: loaded by transformers (%s)", model_id, reason)
         del model
@@ -103,12 +104,14 @@ def conversion_plan(folder: str, dtype: torch.dtype, kwargs: dict) -> Optional[T
 
     if not os.path.isdir(folder):
         return decline("not a local folder")
-    extra = sorted(set(kwargs) - set(LOCAL_NEUTRAL_KWARGS) - {"subfolder"})
+    extra = sorted(set(kwargs) - set(LOCAL_NEUTRAL_KWARGS))  # subfolder too: transformers names the config after it
     if extra:
         return decline(f"keywords {extra}")
     files = _safetensors_files(folder)
     if files is None:
         return decline("no safetensors weights")
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        return decline("no generation_config.json: transformers' defaults for it differ between releases")
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as exc:
@@ -149,24 +152,34 @@ def _tensor_table(folder: str, files: List[str]) -> Dict[str, TensorEntry]:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
+        if (header.get("__metadata__") or {}).get("format") != "pt":
+            raise ValueError(f"{name} is not marked a PyTorch safetensors file (transformers 4 refuses it)")
         for key, info in header.items():
             if key == "__metadata__":
                 continue
             if info["dtype"] not in SAFETENSORS_DTYPES:
                 raise ValueError(f"{key} has dtype {info['dtype']}")
             begin, end = info["data_offsets"]
+            size = torch.empty((), dtype=SAFETENSORS_DTYPES[info["dtype"]]).element_size()
+            for extent in info["shape"]:
+                size *= extent
+            if end - begin != size:
+                raise ValueError(f"{key}: {end - begin} bytes for shape {info['shape']}")
             entries[key] = (path, 8 + length, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), begin, end)
     return entries
 
 
 def _build_uninitialised(config, dtype: torch.dtype) -> Optional[PreTrainedModel]:
-    """The model transformers builds for ``config`` in ``dtype``, parameters allocated but not initialised."""
+    """The model transformers builds for ``config`` in ``dtype``, parameters allocated but not initialised; ``None``
+    for a class outside :data:`VERIFIED_ARCHITECTURES` or one that keeps modules in fp32."""
     try:
         from transformers.initialization import no_init_weights  # transformers 5
     except ImportError:
         from transformers.modeling_utils import no_init_weights
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, **{_dtype_kwarg(): dtype})
+    if type(model).__name__ not in VERIFIED_ARCHITECTURES:  # the class comes from model_type, not "architectures"
+        return None
     model.tie_weights()  # transformers 5 ties in from_pretrained, after the weights are read
     if transformers_major() < 5:
         model.config.torch_dtype = dtype  # what 4.x's from_pretrained records (5's from_config does)

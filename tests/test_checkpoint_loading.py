@@ -110,6 +110,50 @@ def test_unverified_architecture_goes_to_transformers(tmp_path, conversions):
     assert_same_model(ours, stock(str(tmp_path), torch.bfloat16))
 
 
+def test_a_class_outside_the_verified_ones_goes_to_transformers_whatever_architectures_says(tmp_path, conversions):
+    """transformers builds the class from model_type; a config.json whose "architectures" names Llama does not
+    make a GPT-J one."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(5)
+    GPTJForCausalLM(GPTJConfig(n_embd=64, n_layer=2, n_head=4, vocab_size=256, rotary_dim=8,
+                               n_positions=64)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = load_causal_lm(str(tmp_path), torch.bfloat16)
+    assert conversions == []
+    assert_same_model(ours, stock(str(tmp_path), torch.bfloat16))
+
+
+def test_a_byte_range_that_is_not_the_shape_goes_to_transformers(tmp_path, conversions):
+    """A header whose byte range is shorter than its shape: transformers refuses the file; the converting path
+    must not read it (it would leave uninitialised memory in the weight)."""
+    import struct
+
+    build_tiny("llama").save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    begin, end = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [begin, end - 8]
+    encoded = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(encoded) == length
+    path.write_bytes(data[:8] + encoded + data[8 + length:])
+    with pytest.raises(Exception):  # transformers' (safetensors') own error
+        load_causal_lm(str(tmp_path), torch.bfloat16)
+    assert conversions == []
+
+
+def test_without_a_generation_config_file_goes_to_transformers(tmp_path, conversions):
+    build_tiny("llama").save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    ours = load_causal_lm(str(tmp_path), torch.bfloat16)
+    assert conversions == []
+    assert_same_model(ours, stock(str(tmp_path), torch.bfloat16))
+
+
 def test_extra_tensor_goes_to_transformers(tmp_path, conversions):
     build_tiny("llama").save_pretrained(tmp_path)
     _rewrite_weights(tmp_path, lambda w: w.update({"model.unused_extra": torch.ones(3)}))
