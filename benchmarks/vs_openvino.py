@@ -239,7 +239,7 @@ def measure(args) -> dict:
                 _first_difference(outputs[name][i], outputs["OpenVINO fp32 alone, continuous-batching pipeline"][i])
                 for i in range(len(prompts))]} if stack == "ov" else {}),
         })
-    agree = [sum(1 for _ in _common_prefix(outputs["OpenVINO fp32 alone"][i], outputs["ours fp32 alone"][i]))
+    agree = [_common_prefix_length(outputs["OpenVINO fp32 alone"][i], outputs["ours fp32 alone"][i])
              for i in range(len(prompts))]
     return {
         "date": datetime.date.today().isoformat(),
@@ -259,11 +259,10 @@ def _first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def _common_prefix(a, b):
-    for x, y in zip(a, b):
-        if x != y:
-            return
-        yield x
+def _common_prefix_length(a, b):
+    """How many leading tokens two outputs share."""
+    first = _first_difference(a, b)
+    return len(a) if first is None else first
 
 
 def render(result: dict) -> str:

@@ -88,10 +88,7 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, **kwargs) -> PreTrainedMod
         return AutoModelForCausalLM.from_pretrained(model_id, **{**kwargs, _dtype_kwarg(): dtype})
     logger.debug("%s: converting its safetensors to %s while reading them", model_id, dtype)
     _read_into(model, entries)
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    except OSError:
-        pass  # from_config already made it from the model config, as from_pretrained does without the file
+    model.generation_config = GenerationConfig.from_pretrained(folder)  # conversion_plan required the file
     return model.eval()
 
 

