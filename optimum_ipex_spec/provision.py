@@ -44,6 +44,9 @@ from .compat import reads_gemma3_gguf
 from .facts import MODEL_ALIASES
 
 PROVENANCE_NAME = "provenance.json"
+# Bumped when a conversion changes what it writes; a folder recorded with another revision is rebuilt once.
+# 2: no GGUF quantization_config in config.json; every GGUF control/user-defined token added to Qwen's tokenizer.
+CONVERSION_REVISION = 2
 CACHE_ENV = "OPTIMUM_IPEX_SPEC_CACHE"
 
 
@@ -148,7 +151,8 @@ def _write_4x_compatible_config(out_dir: Path) -> None:
     * per-attention-type ``rope_parameters`` (Gemma 3): ``rope_theta`` from ``full_attention`` and
       ``rope_local_base_freq`` from ``sliding_attention``;
     * ``layer_types`` (5.x) also as ``sliding_window_pattern`` (what 4.x's Gemma 3 reads);
-    * ``torch_dtype`` (4.x) next to ``dtype`` (5.x).
+    * ``torch_dtype`` (4.x) next to ``dtype`` (5.x);
+    * no ``quantization_config`` (the weights are de-quantized).
 
     5.x ignores the 4.x spellings when its own are present (``rope_parameters`` and ``layer_types`` win)."""
     path = out_dir / "config.json"
@@ -178,22 +182,54 @@ def _write_4x_compatible_config(out_dir: Path) -> None:
         cfg["sliding_window_pattern"] = pattern
     for key in ("_name_or_path", "_model_name_or_path"):
         cfg.pop(key, None)
+    # The weights were de-quantized to fp32: a GGUF quantization_config left here (transformers 5 writes one)
+    # would make 5.x read the folder as a packed GGUF model and 4.x try to apply a GGUF quantizer.
+    cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float32"
     if "dtype" in cfg:
         cfg["dtype"] = "float32"
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _save_plain_tokenizer(gguf_tok, out_dir: Path, bos: str, eos: str, unk: str, pad: str, add_bos: bool) -> None:
+def _gguf_added_tokens(gguf_path: Path) -> list:
+    """The GGUF vocabulary's control tokens (special) and user-defined tokens (not special) as ``AddedToken``\ s:
+    what 5.x's GGUF tokenizer conversion adds and 4.51's Qwen2 conversion leaves out (it adds three), so that
+    ``<|fim_prefix|>`` or ``<tool_call>`` is one token in every lane, as in the upstream tokenizer."""
+    import gguf
+    from tokenizers import AddedToken
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    types, words = reader.fields["tokenizer.ggml.token_type"], reader.fields["tokenizer.ggml.tokens"]
+    added = []
+    for t, w in zip(types.data, words.data):
+        kind = int(types.parts[t][0])
+        if kind in (gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED):
+            added.append(AddedToken(bytes(words.parts[w]).decode("utf-8"), special=kind == gguf.TokenType.CONTROL,
+                                    normalized=False))
+    return added
+
+
+def _save_plain_tokenizer(gguf_tok, out_dir: Path, bos: str, eos: str, unk: str, pad: str, add_bos: bool,
+                          gguf_path: Optional[Path] = None) -> None:
     """Save a GGUF-derived tokenizer as a version-neutral ``PreTrainedTokenizerFast``.
 
     transformers 4.51 builds a LlamaTokenizerFast that adds BOS and sets eos to BOS; 5.x writes
     ``tokenizer_class: TokenizersBackend`` which 4.x does not know. We keep the backend
-    ``tokenizers.Tokenizer`` and set the special tokens and BOS handling explicitly."""
+    ``tokenizers.Tokenizer`` and set the special tokens and BOS handling explicitly. With ``gguf_path``, the
+    GGUF's control and user-defined tokens that the backend does not have as added tokens are added
+    (:func:`_gguf_added_tokens`)."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
     backend = gguf_tok.backend_tokenizer
+    if gguf_path is not None:
+        have = {tok.content for tok in backend.get_added_tokens_decoder().values()}
+        missing = [tok for tok in _gguf_added_tokens(gguf_path) if tok.content not in have]
+        for tok in missing:
+            if backend.token_to_id(tok.content) is None:
+                raise ProvisionError(f"GGUF token {tok.content!r} is not in the tokenizer's vocabulary")
+        backend.add_special_tokens([tok for tok in missing if tok.special])
+        backend.add_tokens([tok for tok in missing if not tok.special])
     if add_bos:
         # The template 5.x's TokenizersBackend builds from ``add_bos_token``; 4.x reads only this one.
         bos_id = backend.token_to_id(bos)
@@ -414,7 +450,7 @@ def _qwen_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     gguf_tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # Qwen2.5 adds no BOS; the chat turn ends with <|im_end|>, text with <|endoftext|> (also the pad token).
     _save_plain_tokenizer(gguf_tok, out_dir, bos=QWEN_ENDOFTEXT, eos=QWEN_IM_END, unk=None, pad=QWEN_ENDOFTEXT,
-                          add_bos=False)
+                          add_bos=False, gguf_path=gguf_path)
 
 
 def _convert_qwen(gguf_path: Path, out_dir: Path) -> None:
@@ -438,7 +474,6 @@ def _convert_qwen(gguf_path: Path, out_dir: Path) -> None:
     _write_4x_compatible_config(out_dir)
     cfg_path = out_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.pop("quantization_config", None)  # transformers 4.x would try to apply a GGUF quantizer on load
     if not cfg.get("use_sliding_window"):
         cfg["sliding_window"] = None  # off anyway; 4.x's Qwen2 warns "Sliding Window Attention is enabled" otherwise
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -496,7 +531,7 @@ def _verify(out_dir: Path, spec: ModelSpec) -> bool:
         record = json.loads(marker.read_text())
     except json.JSONDecodeError:
         return False
-    if record.get("gguf_sha256") != spec.gguf_sha256:
+    if record.get("gguf_sha256") != spec.gguf_sha256 or record.get("conversion") != CONVERSION_REVISION:
         return False
     for rel, digest in record.get("files", {}).items():
         path = out_dir / rel
@@ -525,7 +560,8 @@ def _build(out_dir: Path, spec: ModelSpec, convert: Callable[[Path, Path], None]
         convert(gguf_path, tmp)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / PROVENANCE_NAME).write_text(
-            json.dumps({"model": spec.name, "gguf_sha256": spec.gguf_sha256, "source": spec.pip_install,
+            json.dumps({"model": spec.name, "gguf_sha256": spec.gguf_sha256, "conversion": CONVERSION_REVISION,
+                        "source": spec.pip_install,
                         "files": files}, indent=2) + "\n"
         )
     if gguf_path.parent == joined_gguf_dir():

@@ -162,7 +162,7 @@ def test_cli_list(capsys):
 def test_smollm2_folder_is_plain_transformers(smollm2_dir, tokenizer):
     cfg = json.loads(open(f"{smollm2_dir}/config.json").read())
     assert cfg["rope_theta"] == 100000.0 and cfg["architectures"] == ["LlamaForCausalLM"]
-    assert cfg["num_hidden_layers"] == 30 and cfg["vocab_size"] == 49152
+    assert cfg["num_hidden_layers"] == 30 and cfg["vocab_size"] == 49152 and "quantization_config" not in cfg
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
     ids = tokenizer("Hello world").input_ids
     assert ids == [19556, 905]  # no BOS added, same ids as the original SmolLM2 tokenizer
@@ -217,10 +217,14 @@ def test_4x_compatible_config_spells_gemma3_for_both_versions(tmp_path):
 
 
 def test_4x_compatible_config_flat_rope_and_inexpressible_layer_types(tmp_path):
-    flat = {"model_type": "llama", "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}
+    # as transformers 5.24 saves SmolLM2 read from its GGUF: the quantizer's record stays in the config although
+    # the weights were de-quantized; left there, 5.x reads the folder as a packed GGUF model (it did in CI)
+    flat = {"model_type": "llama", "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"},
+            "quantization_config": {"dequantize": False, "gguf_file": "x.gguf", "quant_method": "gguf"}}
     (tmp_path / "config.json").write_text(json.dumps(flat))
     prov._write_4x_compatible_config(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["rope_theta"] == 1e5
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["rope_theta"] == 1e5 and "quantization_config" not in written
     assert prov._sliding_window_pattern(["sliding_attention", "full_attention"] * 2) == 2
     bad = dict(_gemma3_5x_config(), layer_types=["full_attention", "sliding_attention"] * 9)
     (tmp_path / "config.json").write_text(json.dumps(bad))
@@ -342,3 +346,19 @@ def test_facts_name_every_provisioned_model():
 
     assert tuple(prov.MODELS) == facts.PROVISIONED_MODELS
     assert prov.ALIASES == facts.MODEL_ALIASES and set(facts.MODEL_ALIASES.values()) <= set(facts.PROVISIONED_MODELS)
+
+
+@pytest.mark.slow
+def test_qwen_tokenizer_has_every_gguf_control_token(qwen05_dir):
+    """transformers 4.51's GGUF conversion of Qwen2 added three of the GGUF's control tokens, 5.x all of them: the
+    folder adds the rest itself, so a fill-in-the-middle or tool-call marker is one token in every lane, as in the
+    upstream Qwen2.5 tokenizer (control tokens special, user-defined ones not)."""
+    tok = transformers.AutoTokenizer.from_pretrained(qwen05_dir)
+    assert tok("x <|fim_prefix|> <tool_call>").input_ids == [87, 220, 151659, 220, 151657]
+    assert tok("<|repo_name|>a<|file_sep|>b").input_ids == [151663, 64, 151664, 65]
+    added = tok.added_tokens_decoder
+    assert len(added) == 22 and all(added[i].special for i in range(151643, 151657))
+    assert not added[151657].special and not added[151658].special  # <tool_call>, </tool_call>
+    assert tok.decode([87, 151659], skip_special_tokens=True) == "x"
+    record = json.loads(open(f"{qwen05_dir}/provenance.json").read())
+    assert record["conversion"] == prov.CONVERSION_REVISION
