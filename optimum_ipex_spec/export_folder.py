@@ -95,8 +95,9 @@ def check_ipex_for_saved_graph(model_id: str, meta: dict, status) -> None:
     Raises:
         IPEXNotAvailableError: IPEX unusable here (the message has the pip command).
         RuntimeError: exported with another IPEX release (major.minor).
+        ValueError: a bf16 graph on a CPU whose oneDNN has no bf16 (AVX2 only): IPEX cannot run it here.
     """
-    from .utils.import_utils import IPEXNotAvailableError
+    from .utils.import_utils import IPEXNotAvailableError, ipex_dtype_unsupported
 
     if not status.available:
         raise IPEXNotAvailableError(
@@ -109,6 +110,13 @@ def check_ipex_for_saved_graph(model_id: str, meta: dict, status) -> None:
         raise RuntimeError(
             f"{model_id} was exported with IPEX {saved} but IPEX {status.ipex_version} is installed; "
             "re-export it with IPEXModelForCausalLM.from_pretrained(original_checkpoint, export=True)"
+        )
+    unsupported = ipex_dtype_unsupported(str(meta.get("torch_dtype")))
+    if unsupported:
+        raise ValueError(
+            f"{model_id} holds an IPEX graph exported in {meta.get('torch_dtype')}, and {unsupported}. Export the "
+            "original checkpoint again on this machine: torch_dtype=torch.float32 keeps IPEX; bf16 runs on the "
+            "pure-PyTorch path (backend='auto' or 'torch')"
         )
 
 

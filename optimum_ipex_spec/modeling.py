@@ -73,7 +73,10 @@ from .strategy import (
 )
 from .torch_cache import PreallocatedKVCache
 from .utils.fs import looks_like_local_path
-from .utils.import_utils import ipex_status, log_fallback_once, require_ipex
+from .utils.import_utils import (
+    ipex_dtype_unsupported, ipex_status, log_dtype_fallback_once, log_fallback_once, require_ipex,
+    require_ipex_dtype,
+)
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -539,7 +542,14 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         return super().from_pretrained(model_id, *args, **kwargs)
 
     @classmethod
-    def _choose_backend(cls, backend: str, config: PretrainedConfig) -> str:
+    def _choose_backend(cls, backend: str, config: PretrainedConfig, dtype: torch.dtype) -> str:
+        """``backend`` resolved for this model and dtype on this machine.
+
+        Raises:
+            IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX.
+            ValueError: ``backend="ipex"`` for an architecture off IPEX's fused path, or a dtype IPEX's kernels
+                cannot run on this CPU (bf16 without AVX512-BW/VL/DQ or AVX-NE-CONVERT).
+        """
         if backend == "torch":
             return "torch"
         if backend == "ipex":
@@ -549,6 +559,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                     f"backend='ipex': architecture {first_architecture(config)} is not on IPEX's fused path "
                     f"(supported: {', '.join(IPEX_FUSED_ARCHITECTURES)}); use backend='auto' or 'torch'"
                 )
+            require_ipex_dtype(dtype_name(dtype))
             return "ipex"
         status = ipex_status()
         if not status.available:
@@ -560,6 +571,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 first_architecture(config),
                 ", ".join(IPEX_FUSED_ARCHITECTURES),
             )
+            return "torch"
+        unsupported = ipex_dtype_unsupported(dtype_name(dtype))
+        if unsupported:
+            log_dtype_fallback_once(unsupported)
             return "torch"
         return "ipex"
 
@@ -654,7 +669,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if torch_compile:  # the compiled step is our decoder's: "auto" means it, "ipex" cannot have it
             check_torch_compile("torch" if backend == "auto" else backend, model, dtype, weights)
             backend = "torch"
-        if cls._choose_backend(backend, config) == "ipex":
+        if cls._choose_backend(backend, config, dtype) == "ipex":
             graphs = export_to_ipex(model, dtype)
             return cls(graphs.decode, config, backend="ipex", dtype=dtype, generation_config=generation_config,
                        verify_model=graphs.verify, source=source)

@@ -187,6 +187,18 @@ def ipex_available():
     return status
 
 
+@pytest.fixture
+def ipex_bf16(ipex_available):
+    """IPEX usable and able to run bf16 on this CPU (oneDNN bf16: AVX512-BW/VL/DQ or AVX-NE-CONVERT). On an AVX2-only
+    CPU a bf16 export runs on the pure-PyTorch path instead (tests/test_errors_and_fallbacks.py checks that)."""
+    from optimum_ipex_spec.utils.import_utils import ipex_dtype_unsupported
+
+    reason = ipex_dtype_unsupported("bfloat16")
+    if reason:
+        pytest.skip(reason)
+    return ipex_available
+
+
 def copy_model(model):
     return copy.deepcopy(model)
 

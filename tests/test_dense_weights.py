@@ -238,7 +238,7 @@ def test_a_bf16_export_keeps_the_buffers_transformers_loaded(tmp_path, backend, 
     from transformers import AutoModelForCausalLM
 
     if backend == "ipex":
-        request.getfixturevalue("ipex_available")
+        request.getfixturevalue("ipex_bf16")
     build_tiny("llama").save_pretrained(tmp_path)
     stock = AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.bfloat16)
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.bfloat16)

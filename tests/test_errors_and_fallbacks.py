@@ -258,3 +258,70 @@ def test_provisioned_name_is_accepted(monkeypatch, tiny_dir):
     monkeypatch.setattr(provision, "provision", lambda name, cache_dir=None: tiny_dir("llama"))
     model = IPEXModelForCausalLM.from_pretrained("smollm2-135m-instruct", export=True)
     assert model.config.num_hidden_layers == 2
+
+
+AVX2_REASON = "IPEX's bf16 kernels need a CPU with AVX512-BW/VL/DQ or AVX-NE-CONVERT, and this one offers AVX2"
+
+
+@pytest.fixture
+def cpu_without_bf16(monkeypatch):
+    """Simulate an AVX2-only CPU (AMD Zen 3, say), whatever this machine is: IPEX cannot prepack bf16 weights."""
+    import optimum_ipex_spec.modeling as modeling
+
+    fake = lambda name: AVX2_REASON if name == "bfloat16" else None  # noqa: E731
+    monkeypatch.setattr(import_utils, "ipex_dtype_unsupported", fake)
+    monkeypatch.setattr(modeling, "ipex_dtype_unsupported", fake)
+    import_utils.log_dtype_fallback_once.cache_clear()
+    yield
+    import_utils.log_dtype_fallback_once.cache_clear()
+
+
+def test_bf16_probe_agrees_with_torch_onednn(ipex_available):
+    """Our probe (IPEX's oneDNN) and torch's own (its bundled oneDNN) answer the same on this CPU; fp32 always runs."""
+    import_utils.ipex_dtype_unsupported.cache_clear()
+    assert import_utils.ipex_dtype_unsupported("float32") is None
+    reason = import_utils.ipex_dtype_unsupported("bfloat16")
+    assert (reason is None) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if reason is not None:
+        assert torch.backends.cpu.get_cpu_capability() in reason
+
+
+def test_bf16_without_cpu_support_falls_back_to_torch_and_logs_once(cpu_without_bf16, ipex_available, tiny_dir,
+                                                                     caplog):
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir("llama"), torch_dtype=torch.bfloat16).eval()
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec"):
+        a = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, torch_dtype=torch.bfloat16)
+        b = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, torch_dtype=torch.bfloat16)
+        fp32 = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True)
+    lines = [r.getMessage() for r in caplog.records if "runs on the pure-PyTorch path instead" in r.getMessage()]
+    assert len(lines) == 1 and AVX2_REASON in lines[0]
+    assert a.backend == b.backend == "torch" and fp32.backend == "ipex"
+    out = a.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out[:, :10], ref.generate(ids, max_new_tokens=12, do_sample=False)[:, :10])
+
+
+def test_bf16_with_explicit_ipex_without_cpu_support_raises_before_ipex(cpu_without_bf16, ipex_available, tiny_dir):
+    from optimum_ipex_spec.exporters.ipex import export_to_ipex, ipex_converted
+
+    with pytest.raises(ValueError, match="Use torch_dtype=torch.float32, or backend='auto' or 'torch'") as err:
+        IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, torch_dtype=torch.bfloat16,
+                                             backend="ipex")
+    assert AVX2_REASON in str(err.value)
+    model = build_tiny("llama").to(torch.bfloat16).eval()
+    with pytest.raises(ValueError, match="AVX2"):
+        export_to_ipex(model, torch.bfloat16)
+    assert not ipex_converted(model)  # refused before IPEX touched it: the model can still be used
+
+
+def test_saved_bf16_ipex_export_on_cpu_without_bf16_raises(cpu_without_bf16, ipex_available, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(build_tiny("llama").config.to_json_string())
+    status = import_utils.ipex_status()
+    (tmp_path / "ipex_export.json").write_text(json.dumps(
+        {"backend": "ipex", "torch_dtype": "bfloat16", "ipex_version": status.ipex_version,
+         "torch_version": status.torch_version}))
+    with pytest.raises(ValueError, match="exported in bfloat16, and IPEX's bf16 kernels need") as err:
+        IPEXModelForCausalLM.from_pretrained(tmp_path)
+    assert "torch_dtype=torch.float32 keeps IPEX" in str(err.value)

@@ -23,7 +23,9 @@ def _storages(module) -> dict:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_and_verify_graphs_share_every_weight(ipex_available, dtype):
+def test_decode_and_verify_graphs_share_every_weight(ipex_available, dtype, request):
+    if dtype == torch.bfloat16:
+        request.getfixturevalue("ipex_bf16")
     graphs = export_to_ipex(build_tiny("qwen2").to(dtype).eval(), dtype)
     decode, verify = _storages(graphs.decode), _storages(graphs.verify)
     assert decode, "the decode graph holds no parameters: it would have been frozen"

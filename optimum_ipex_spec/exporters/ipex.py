@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from ..facts import IPEX_OPTIMIZED_MARK, LLAMA_FAMILY_ARCHITECTURES
+from ..facts import IPEX_OPTIMIZED_MARK, LLAMA_FAMILY_ARCHITECTURES, dtype_name
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -82,18 +82,19 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
         and should be discarded.
 
     Raises:
-        ValueError: unsupported dtype or architecture.
+        ValueError: unsupported dtype or architecture; bf16 on a CPU without oneDNN bf16 (AVX2 only).
         IPEXNotAvailableError: IPEX cannot be imported.
         RuntimeError: ``ipex.llm.optimize`` left the model unconverted (it falls back silently).
     """
     from ..patching import shared_rotary_tables_patch
-    from ..utils.import_utils import require_ipex
+    from ..utils.import_utils import require_ipex, require_ipex_dtype
 
     require_ipex()
     import intel_extension_for_pytorch as ipex
 
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"torch_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    require_ipex_dtype(dtype_name(dtype))
     if not ipex_supports(model.config):
         raise ValueError(
             f"architecture {model.config.architectures} is not on the IPEX fused path "

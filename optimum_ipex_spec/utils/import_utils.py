@@ -106,6 +106,42 @@ def log_fallback_once(reason: str) -> None:
     logger.warning("IPEX is not used (%s); falling back to the pure-PyTorch path. To use IPEX: %s", reason, IPEX_PIP_COMMAND)
 
 
+@functools.lru_cache(maxsize=None)
+def ipex_dtype_unsupported(dtype_name: str) -> Optional[str]:
+    """Why IPEX's CPU kernels cannot run ``dtype_name`` (a :data:`~optimum_ipex_spec.facts.DTYPE_NAMES` entry) on
+    this CPU, or None when they can. IPEX prepacks bf16 weights only where oneDNN has bf16 (AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; an AVX2-only CPU such as AMD Zen 3 has neither) and otherwise fails an assertion inside
+    ``ipex.llm.optimize``. Probed once per process; IPEX must be importable (:func:`ipex_status`)."""
+    if dtype_name != "bfloat16":
+        return None
+    import torch
+    import intel_extension_for_pytorch._C as ipex_core
+
+    if ipex_core.onednn_has_bf16_support():
+        return None
+    return (
+        "IPEX's bf16 kernels need a CPU with AVX512-BW/VL/DQ or AVX-NE-CONVERT, and this one offers "
+        f"{torch.backends.cpu.get_cpu_capability()}"
+    )
+
+
+def require_ipex_dtype(dtype_name: str) -> None:
+    """Raises:
+        ValueError: IPEX's kernels cannot run ``dtype_name`` on this CPU (:func:`ipex_dtype_unsupported`), with the
+            two fixes: fp32, or the pure-PyTorch path."""
+    unsupported = ipex_dtype_unsupported(dtype_name)
+    if unsupported:
+        raise ValueError(f"backend='ipex' with torch_dtype={dtype_name}: {unsupported}. Use torch_dtype=torch.float32, "
+                         "or backend='auto' or 'torch' (the pure-PyTorch path)")
+
+
+@functools.lru_cache(maxsize=None)
+def log_dtype_fallback_once(reason: str) -> None:
+    """Log, once per distinct reason and process, that a dtype IPEX cannot run here uses the pure-PyTorch path."""
+    logger.warning("%s; this bf16 model runs on the pure-PyTorch path instead (torch_dtype=torch.float32 keeps IPEX).",
+                   reason)
+
+
 def require_ipex() -> IPEXStatus:
     """Return the IPEX status or raise :class:`IPEXNotAvailableError` with the pip command that fixes it."""
     status = ipex_status()
