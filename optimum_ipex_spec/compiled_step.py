@@ -55,6 +55,17 @@ def check_torch_compile_flag(torch_compile) -> None:
         raise ValueError(f"torch_compile must be True or False, got {torch_compile!r}")
 
 
+def dense_bf16_compile_unsupported() -> Optional[str]:
+    """Why this CPU cannot run the compiled dense bf16 step, or None. Without oneDNN bf16 (an AVX2-only CPU such as
+    AMD EPYC Zen 3: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False) Inductor's compiled bf16 step gave
+    logits off by up to half their magnitude against the eager decoder (tests/test_compiled_step.py, measured
+    on such a CPU); the int8 step (``weights="int8"``) tracked its eager twin there."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no oneDNN bf16, and there Inductor's compiled "
+            "bf16 step computed wrong logits (off by up to half their magnitude against the eager decoder)")
+
+
 def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype, weights: str) -> None:
     """Raise early when ``torch_compile=True`` cannot apply.
 
@@ -62,7 +73,8 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
         ValueError: the IPEX backend (its graphs are fused already); an architecture our decoder does not run;
             a dtype other than bf16 (fp32 decode does not get faster compiled here, and its rounding would differ
             from the verification chunk's: speculative decoding would no longer be exact); a torch older than
-            :data:`MIN_TORCH_FOR_COMPILE`.
+            :data:`MIN_TORCH_FOR_COMPILE`; dense bf16 weights on a CPU without oneDNN bf16
+            (:func:`dense_bf16_compile_unsupported`).
     """
     from packaging.version import Version
 
@@ -81,6 +93,10 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
     if Version(torch.__version__.split("+")[0]) < Version(MIN_TORCH_FOR_COMPILE):
         raise ValueError(f"torch_compile=True needs torch >= {MIN_TORCH_FOR_COMPILE} (Inductor's CPU bf16 GEMM "
                          f"template); this is torch {torch.__version__}. Upgrade torch, or drop torch_compile.")
+    unsupported = dense_bf16_compile_unsupported() if weights == "dense" else None
+    if unsupported:
+        raise ValueError(f"torch_compile=True: {unsupported}. Drop torch_compile (the eager bf16 decoder is exact), "
+                         "or for a draft use self_draft(weights='int8', torch_compile=True).")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,16 @@ from optimum_ipex_spec import compiled_step
 from conftest import build_tiny
 
 
+
+@pytest.fixture
+def dense_bf16_compile():
+    """The compiled dense bf16 step runs only where oneDNN has bf16; elsewhere torch_compile=True refuses it
+    (test_dense_bf16_compile_is_refused_on_a_cpu_without_onednn_bf16 checks that on every CPU)."""
+    reason = compiled_step.dense_bf16_compile_unsupported()
+    if reason:
+        pytest.skip(reason)
+
+
 def _windowed_mistral():
     torch.manual_seed(3)
     model = MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -36,7 +46,7 @@ def _pair(build):
 @pytest.mark.parametrize("build", [lambda: build_tiny("qwen2", vocab_size=512),  # q/k/v biases, grouped queries
                                    _windowed_mistral],  # a sliding window shorter than the sequence
                          ids=["qwen2", "mistral-window"])
-def test_compiled_step_tracks_the_eager_decoder_and_crops_exactly(build):
+def test_compiled_step_tracks_the_eager_decoder_and_crops_exactly(build, dense_bf16_compile):
     eager, compiled = _pair(build)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the counter counts compiles
     torch._dynamo.utils.counters.clear()
@@ -72,7 +82,7 @@ def test_compiled_step_tracks_the_eager_decoder_and_crops_exactly(build):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
-def test_compiled_bf16_draft_keeps_an_fp32_target_exact(tiny_dir):
+def test_compiled_bf16_draft_keeps_an_fp32_target_exact(tiny_dir, dense_bf16_compile):
     path = tiny_dir("llama")
     target = IPEXModelForCausalLM.from_pretrained(path, export=True, backend="torch")
     draft = IPEXModelForCausalLM.from_pretrained(path, export=True, backend="torch", torch_dtype=torch.bfloat16,
@@ -93,7 +103,7 @@ def test_compiled_bf16_draft_keeps_an_fp32_target_exact(tiny_dir):
     assert draft.last_speculation_stats.proposed > 0 and len(calls) > 0  # the compiled step drafted
 
 
-def test_a_failed_compile_falls_back_to_the_eager_decoder(monkeypatch, caplog):
+def test_a_failed_compile_falls_back_to_the_eager_decoder(monkeypatch, caplog, dense_bf16_compile):
     def failing_compile(module, **kwargs):
         def run(*args):
             raise RuntimeError("no C++ compiler")
@@ -137,7 +147,7 @@ def _save(model, folder):
     return str(folder)
 
 
-def test_torch_compile_round_trips_a_saved_torch_export(tmp_path):
+def test_torch_compile_round_trips_a_saved_torch_export(tmp_path, dense_bf16_compile):
     source = _save(build_tiny("llama", vocab_size=512).to(torch.bfloat16), tmp_path / "ckpt")
     IPEXModelForCausalLM.from_pretrained(source, export=True, backend="torch",
                                          torch_dtype=torch.bfloat16).save_pretrained(tmp_path / "export")
@@ -153,7 +163,7 @@ def test_torch_compile_round_trips_a_saved_torch_export(tmp_path):
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
-def test_two_compiled_models_of_one_shape_keep_their_own_weights():
+def test_two_compiled_models_of_one_shape_keep_their_own_weights(dense_bf16_compile):
     """Inductor freezes each model's weights into its graph: a second model of the same architecture and shapes
     must get its own graph, never run the first one's weights."""
     models = {}
@@ -207,7 +217,7 @@ def test_each_compiled_model_has_its_own_code_and_recompile_budget():
     assert isinstance(first.module, compiled_step._DecodeStep)
 
 
-def test_a_compiled_call_that_fails_hands_over_to_the_eager_decoder(caplog):
+def test_a_compiled_call_that_fails_hands_over_to_the_eager_decoder(caplog, dense_bf16_compile):
     eager, compiled = _pair(lambda: build_tiny("llama", vocab_size=512))
 
     def failing(*args):
@@ -222,7 +232,7 @@ def test_a_compiled_call_that_fails_hands_over_to_the_eager_decoder(caplog):
     assert compiled.runner.step is None and "recompile limit reached" in caplog.text
 
 
-def test_bad_input_to_the_compiled_step_is_refused_early():
+def test_bad_input_to_the_compiled_step_is_refused_early(dense_bf16_compile):
     model = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
                                                          backend="torch", torch_compile=True)
     torch._dynamo.utils.counters.clear()
@@ -239,3 +249,14 @@ def test_bad_input_to_the_compiled_step_is_refused_early():
     with pytest.raises(ValueError, match="torch_compile must be True or False"):
         IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
                                                      backend="torch", torch_compile="false")
+
+
+def test_dense_bf16_compile_is_refused_on_a_cpu_without_onednn_bf16(monkeypatch):
+    """On an AVX2-only CPU (simulated here on any machine) a compiled dense bf16 step computed wrong logits: it is
+    refused before anything compiles, with the fixes; the int8 step is still allowed."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    model = build_tiny("llama", vocab_size=512).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="no oneDNN bf16.*Drop torch_compile.*weights='int8'"):
+        IPEXModelForCausalLM.from_transformers_model(model, backend="torch", torch_compile=True)
+    assert compiled_step.dense_bf16_compile_unsupported() is not None
+    compiled_step.check_torch_compile("torch", model, torch.bfloat16, "int8")  # no error
