@@ -325,3 +325,21 @@ def test_saved_bf16_ipex_export_on_cpu_without_bf16_raises(cpu_without_bf16, ipe
     with pytest.raises(ValueError, match="exported in bfloat16, and IPEX's bf16 kernels need") as err:
         IPEXModelForCausalLM.from_pretrained(tmp_path)
     assert "torch_dtype=torch.float32 keeps IPEX" in str(err.value)
+
+
+def test_bf16_self_draft_on_a_cpu_without_native_bf16_warns_once_and_stays_exact(monkeypatch, tiny_dir, caplog):
+    """Measured on an AVX2-only CPU: the bf16 copy is slower than its fp32 target. It still drafts exactly; the user
+    is told once why generate() got slower."""
+    import optimum_ipex_spec.modeling as modeling
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    modeling._warn_emulated_bf16_draft.cache_clear()
+    target = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True)
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec"):
+        draft, again = target.self_draft(), target.self_draft()
+    lines = [r.getMessage() for r in caplog.records if "has no native bf16" in r.getMessage()]
+    assert len(lines) == 1 and "Use a smaller draft model" in lines[0]
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert torch.equal(target.generate(ids, assistant_model=draft, **kwargs), target.generate(ids, **kwargs))
+    modeling._warn_emulated_bf16_draft.cache_clear()
