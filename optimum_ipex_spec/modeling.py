@@ -76,7 +76,6 @@ from .torch_cache import PreallocatedKVCache
 from .utils.fs import looks_like_local_path
 from .utils.import_utils import (
     ipex_dtype_unsupported, ipex_status, log_dtype_fallback_once, log_fallback_once, require_ipex,
-    require_ipex_dtype,
 )
 
 logger = logging.getLogger("optimum_ipex_spec")
@@ -559,8 +558,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 
         Raises:
             IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX.
-            ValueError: ``backend="ipex"`` for an architecture off IPEX's fused path, or a dtype IPEX's kernels
-                cannot run on this CPU (bf16 without AVX512-BW/VL/DQ or AVX-NE-CONVERT).
+            ValueError: ``backend="ipex"`` for an architecture off IPEX's fused path. (``backend="auto"`` with a
+                dtype IPEX cannot run on this CPU returns "torch"; ``backend="ipex"`` with it is refused by
+                :func:`~optimum_ipex_spec.exporters.ipex.export_to_ipex`.)
         """
         if backend == "torch":
             return "torch"
@@ -571,8 +571,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                     f"backend='ipex': architecture {first_architecture(config)} is not on IPEX's fused path "
                     f"(supported: {', '.join(IPEX_FUSED_ARCHITECTURES)}); use backend='auto' or 'torch'"
                 )
-            require_ipex_dtype(dtype_name(dtype))
-            return "ipex"
+            return "ipex"  # a dtype IPEX cannot run here: export_to_ipex refuses it before IPEX touches the model
         status = ipex_status()
         if not status.available:
             log_fallback_once(status.reason)
