@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .dense_weights import onednn_bf16_available
 from .int8_weights import KERNEL_K_MULTIPLE, Int8Weight
 from .torch_cache import PreallocatedKVCache
 from .torch_model import TorchCausalLMDecoder
@@ -60,7 +61,7 @@ def dense_bf16_compile_unsupported() -> Optional[str]:
     AMD EPYC Zen 3: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False) Inductor's compiled bf16 step gave
     logits off by up to half their magnitude against the eager decoder (tests/test_compiled_step.py, measured
     on such a CPU); the int8 step (``weights="int8"``) tracked its eager twin there."""
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if onednn_bf16_available():
         return None
     return (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no oneDNN bf16, and there Inductor's compiled "
             "bf16 step computed wrong logits (off by up to half their magnitude against the eager decoder)")

@@ -55,6 +55,12 @@ FP32_ONEDNN_MIN_ROWS = 4
 
 
 @functools.lru_cache(maxsize=None)
+def onednn_bf16_available() -> bool:
+    """True when this CPU has native bf16 for oneDNN (AVX512-BF16/AMX or AVX512-BW/VL/DQ); on an AVX2-only CPU bf16
+    arithmetic is emulated (slower than fp32) and Inductor's compiled bf16 step was wrong (compiled_step.py)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def onednn_available() -> bool:
     """True when this torch can multiply by a plain fp32 weight with oneDNN's matmul (x86 builds with mkldnn;
     checked once with a small product, since the op exists on builds where it fails)."""

@@ -28,6 +28,7 @@ from .checkpoint_loading import load_causal_lm
 from .compat import GenerationCompatMixin
 from .compiled_step import check_torch_compile, check_torch_compile_flag
 from .cost_model import COST_SCHEDULE, CostModel, speculate_by_cost
+from .dense_weights import onednn_bf16_available
 from .export_folder import (
     check_ipex_for_saved_graph,
     export_meta,
@@ -498,7 +499,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         else:
             draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend,
                                                torch_compile=torch_compile)
-        if draft._dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if draft._dtype == torch.bfloat16 and not onednn_bf16_available():
             _warn_emulated_bf16_draft(torch.backends.cpu.get_cpu_capability())
         # A copy of the target agrees with it almost always: stopping a draft block early on low draft
         # confidence (transformers' default threshold 0.4) only costs extra rounds; the cost model picks each
