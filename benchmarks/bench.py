@@ -120,6 +120,8 @@ def run_assisted(path, tokenizer, prompts, args, bar):
                     {"assistant_model": draft, "_k": 8, "_schedule": "heuristic"}))
     configs.append(("ours fp32 + bf16 self-draft, cost model (default)", target,
                     {"assistant_model": draft, "_k": 8, "_schedule": "cost"}))
+    configs.append(("ours fp32 + bf16 self-draft, cost model, draft's own cache", target,  # share_target_kv=False
+                    {"assistant_model": draft, "_k": 8, "_schedule": "cost", "_share": False}))
     configs.append(("ours fp32 + int8 self-draft, cost model", target,  # self_draft(weights="int8")
                     {"assistant_model": target.self_draft(weights="int8"), "_k": 8, "_schedule": "cost"}))
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
@@ -133,6 +135,8 @@ def run_assisted(path, tokenizer, prompts, args, bar):
                 extra = dict(extra)
                 k, schedule = extra.pop("_k", None), extra.pop("_schedule", None)
                 assistant = extra.get("assistant_model")
+                if assistant is not None:  # the KV cache shared with the target (shared_kv.py) unless a row says not
+                    assistant.share_target_kv = extra.pop("_share", True)
                 if k is not None:
                     assistant.generation_config.num_assistant_tokens = k
                     assistant.generation_config.num_assistant_tokens_schedule = schedule
@@ -170,6 +174,8 @@ def run_assisted(path, tokenizer, prompts, args, bar):
             "mean_tokens_per_target_forward": (statistics.mean(s.mean_accepted_per_round for s in stats)
                                                if stats else None),
             "token_identical_to_target_alone": identical[name],
+            "draft_forward_tokens_per_call": statistics.mean(s.draft_forward_tokens for s in stats) if stats else None,
+            "shared_rows_per_call": statistics.mean(s.shared_rows for s in stats) if stats else None,
             **({"cost_model": _cost_model_view(views[name])} if name in views else {}),
             "per_prompt": [
                 {
@@ -394,17 +400,22 @@ def _speculation_tables(result, plots):
                      "the int8 row)" if int8 else "") + ". Greedy; k = draft tokens per round. Decode "
                   "tok/s counts tokens after the first; end-to-end includes prefill (target and draft). Acceptance "
                   "rate = accepted / proposed draft tokens; tokens per target forward = mean tokens emitted per "
-                  "verification step (accepted drafts + the target's own token)."]
+                  "verification step (accepted drafts + the target's own token); draft forward tokens = tokens the "
+                  "draft ran through its own forward per call (prefill, catch-up, drafting), of which the rows it "
+                  "copied from the target's KV cache instead (`shared_kv.py`; the \"draft's own cache\" row sets "
+                  "`draft.share_target_kv = False`) are not part."]
         lines += image_lines(plots, "speedup_vs_k", "Assisted generation: speedup over ours alone against the "
                                                     "number of draft tokens k")
         lines += ["", "| configuration | decode tok/s | decode ratio vs ours alone | end-to-end ratio | TTFT s | "
-                  "acceptance rate | tokens per target forward | output |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "acceptance rate | tokens per target forward | draft forward tokens | rows copied from the target | "
+                  "output |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for row in result["assisted"]:
             lines.append(
                 f"| {row['config']} | {row['median_decode_tok_s']:.1f} | x{row['median_ratio_vs_ours_alone']:.2f} | "
                 f"x{row['median_end_to_end_ratio_vs_ours_alone']:.2f} | {row['median_ttft_s']:.2f} | "
                 f"{_fmt(row['acceptance_rate'], '.1%')} | {_fmt(row['mean_tokens_per_target_forward'], '.2f')} | "
+                f"{_fmt(row.get('draft_forward_tokens_per_call'), '.0f')} | {_fmt(row.get('shared_rows_per_call'), '.0f')} | "
                 f"{'identical to target alone' if row['token_identical_to_target_alone'] else 'DIFFERENT'} |"
             )
         viewed = [row for row in result["assisted"] if row.get("cost_model")]
@@ -542,7 +553,7 @@ def main(argv=None):
     if args.no_lookup:
         sections.discard("lookup")
     total = (len(dtypes) * args.rounds * len(prompts) * 2 if "decode" in sections else 0) + (
-        args.rounds * len(prompts) * (len(args.draft_tokens) + 3) if "assisted" in sections else 0) + (
+        args.rounds * len(prompts) * (len(args.draft_tokens) + 6) if "assisted" in sections else 0) + (
         args.rounds * 8 * 2 if "lookup" in sections else 0) + (args.rounds * 3 * 2 if "universal" in sections else 0)
     result["lookup_tokens"] = args.lookup_tokens
     result["prompt_count"] = len(prompts)

@@ -25,7 +25,7 @@ import torch
 from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
 from .compat import zero_proposals_add_nothing
-
+from .shared_kv import copy_rows, has_buffers
 
 
 @dataclass
@@ -36,11 +36,16 @@ class SpeculationStats:
         rounds: draft-then-verify rounds.
         proposed: draft tokens proposed in total.
         accepted: draft tokens the target accepted.
+        shared_rows: cache rows the draft copied from the target's cache instead of computing them (its prompt
+            prefill and catch-up: :mod:`~optimum_ipex_spec.shared_kv`); 0 for a draft that computes its own.
+        draft_forward_tokens: tokens the draft ran through its own forward (prefill, catch-up and drafting).
     """
 
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+    shared_rows: int = 0
+    draft_forward_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,12 +66,21 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
     ``0 <= n <= num_assistant_tokens`` new draft tokens (no logits are needed for greedy verification).
     The first call may come at any length (the draft's cache catches up with whatever it lacks): the cost model
     can then leave the draft's prefill until after the first token (``starts_at_any_length``).
+
+    Args:
+        target_cache: the target's cache of this ``generate()`` call (an ``IPEXFusedCache`` or
+            ``PreallocatedKVCache``, updated in place by the target), for a draft that shares it
+            (:func:`~optimum_ipex_spec.shared_kv.shares_target_kv`): what the draft lacks of the tokens the target
+            has verified is copied from it (:func:`~optimum_ipex_spec.shared_kv.copy_rows`), and only the last
+            token runs through the draft. None: the draft computes its own cache.
+    Other arguments: transformers' ``AssistedCandidateGenerator``'s.
     """
 
     starts_at_any_length = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, target_cache=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self._target_cache = target_cache
         self._cache = None  # the draft's own cache (IPEXFusedCache or PreallocatedKVCache)
         eos = self.generation_config.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -94,6 +108,9 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
             self._cache = draft.new_cache(input_ids.shape[0])
         # Roll the draft's cache back to the tokens the target accepted, then feed what it lacks.
         self._cache.crop(min(self._cache.get_seq_length(), input_ids.shape[1] - 1))
+        if self._target_cache is not None:
+            self._share_target_rows(input_ids)
+        self.stats.draft_forward_tokens += input_ids.shape[1] - self._cache.get_seq_length()
         logits = draft(input_ids[:, self._cache.get_seq_length():], past_key_values=self._cache).logits[:, -1]
         threshold = draft.generation_config.assistant_confidence_threshold or 0.0
         new_tokens = []
@@ -105,8 +122,21 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
             if threshold > 0 and float(torch.softmax(logits.float(), -1).max()) < threshold:
                 break
             if step + 1 < max_new_tokens:
+                self.stats.draft_forward_tokens += 1
                 logits = draft(token, past_key_values=self._cache).logits[:, -1]
         return torch.cat([input_ids] + new_tokens, dim=-1), None
+
+    def _share_target_rows(self, input_ids: torch.LongTensor) -> None:
+        """Copy into the draft's cache the rows it lacks of ``input_ids [1, L]`` that the target's cache holds (at
+        most ``L - 1``: the last token is the target's own, not in its cache yet), so that the draft runs only what
+        is left. An empty IPEX draft cache first runs the prompt's first token (IPEX allocates its buffers then)."""
+        want = min(input_ids.shape[1] - 1, self._target_cache.get_seq_length())
+        if want <= self._cache.get_seq_length():
+            return
+        if not has_buffers(self._cache):
+            self.stats.draft_forward_tokens += 1
+            self.assistant_model(input_ids[:, :1], past_key_values=self._cache)
+        self.stats.shared_rows += copy_rows(self._target_cache, self._cache, want)
 
 
 class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):

@@ -118,6 +118,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             ``generate()`` this model was the target of ("draft", "prompt-lookup", ...), else None.
         last_cost_model: the :class:`~optimum_ipex_spec.cost_model.CostModel` that chose the draft lengths of the
             last assisted ``generate()`` with a draft model (``.report()``: its measurements), else None.
+        share_target_kv: as a draft of a target exported from the same checkpoint (``self_draft()``), fill this
+            model's KV cache from the target's instead of running its own prefill and catch-up
+            (:mod:`~optimum_ipex_spec.shared_kv`; default True; set False to draft from its own cache).
     """
 
     auto_model_class = AutoModelForCausalLM
@@ -150,6 +153,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self.last_speculation_stats = None
         self.last_strategy = None
         self.last_cost_model = None
+        self.share_target_kv = True
         self._dtype = dtype
         self.model_save_dir = model_save_dir
         self.generation_config = generation_config or GenerationConfig.from_model_config(config)

@@ -36,8 +36,9 @@ from typing import Any, Dict, Iterator, Optional
 from transformers import GenerationConfig
 
 from .candidates import AdaptivePromptLookupCandidateGenerator, IPEXDraftCandidateGenerator
-from .compat import eos_token_tensor, vocabulary_translator
+from .compat import cache_kwarg, eos_token_tensor, vocabulary_translator
 from .cost_model import COST_SCHEDULE
+from .shared_kv import SHARABLE_CACHES, shares_target_kv
 
 
 class Strategy(str, Enum):
@@ -144,7 +145,8 @@ def build_candidate_generator(strategy: Strategy, target, generation_config, inp
     if strategy is Strategy.DRAFT:
         return IPEXDraftCandidateGenerator(
             input_ids=input_ids, assistant_model=assistant_model, generation_config=generation_config,
-            model_kwargs=model_kwargs, inputs_tensor=inputs_tensor, logits_processor=logits_processor)
+            model_kwargs=model_kwargs, inputs_tensor=inputs_tensor, logits_processor=logits_processor,
+            target_cache=shared_target_cache(target, assistant_model, model_kwargs))
     if strategy is Strategy.UNIVERSAL_SAMPLING:
         return _universal_sampling_generator(target, generation_config, input_ids, inputs_tensor, logits_processor,
                                              model_kwargs, assistant_model, target_tokenizer, assistant_tokenizer)
@@ -160,6 +162,15 @@ def build_candidate_generator(strategy: Strategy, target, generation_config, inp
     if strategy is Strategy.TRANSFORMERS:
         return transformers_default()
     raise ValueError(f"no generator to build for strategy {strategy!r}")
+
+
+def shared_target_cache(target, assistant_model, model_kwargs):
+    """The target's cache of the call when the draft can fill its own from it
+    (:func:`~optimum_ipex_spec.shared_kv.shares_target_kv` and a cache of ours in ``model_kwargs``), else None."""
+    cache = model_kwargs.get(cache_kwarg(), model_kwargs.get("past_key_values"))
+    if isinstance(cache, SHARABLE_CACHES) and shares_target_kv(target, assistant_model):
+        return cache
+    return None
 
 
 def _universal_sampling_generator(target, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,

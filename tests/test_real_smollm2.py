@@ -53,7 +53,8 @@ def test_bf16_documented_prefix(smollm2_dir, tokenizer, real_prompts, reference_
 
 
 def test_assisted_with_bf16_self_draft_token_identical(smollm2_dir, tokenizer, real_prompts, reference_outputs):
-    """The real same-tokenizer pair: fp32 target + its bf16 copy as draft == target alone (greedy)."""
+    """The real same-tokenizer pair: fp32 target + its bf16 copy as draft == target alone (greedy); the draft copies
+    the prompt's KV rows from the target's cache (shared_kv.py) instead of running its own prefill."""
     target = IPEXModelForCausalLM.from_pretrained(smollm2_dir, export=True, torch_dtype=torch.float32)
     draft = target.self_draft()
     assert draft.dtype == torch.bfloat16
@@ -63,3 +64,4 @@ def test_assisted_with_bf16_self_draft_token_identical(smollm2_dir, tokenizer, r
         assert torch.equal(got, expected), prompt
         stats = draft.last_speculation_stats
         assert stats.rounds > 0 and stats.accepted > 0
+        assert stats.shared_rows >= inputs["input_ids"].shape[1] - 1

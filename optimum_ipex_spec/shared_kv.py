@@ -1,0 +1,110 @@
+"""A self-draft reads the target's KV cache instead of computing its own prefill and catch-up.
+
+A draft made from the target's own checkpoint (:meth:`~optimum_ipex_spec.modeling.IPEXModelForCausalLM.self_draft`:
+the same weights in bf16 or weight-only int8) computes, for every token the target has already verified, keys and
+values that differ from the target's only by rounding. So instead of running its prompt prefill (the whole prompt
+through the draft) and its catch-up chunks (the tokens it did not see: the last accepted proposal and the target's
+own token after a fully accepted round, or everything after rounds without drafting), the draft copies those rows
+from the target's cache, converted to its own dtype, and runs only the last token itself. This is the KV sharing of
+self-speculative decoding (LayerSkip, Elhoushi et al. 2024, arXiv 2404.16710, section 4.3; QuantSpec, Tiwari et al.
+2025, arXiv 2502.10424, a quantized self-draft reading the target's cache).
+
+Losslessness does not depend on it: the draft only proposes, and every proposal is verified by the target. What it
+changes is the draft's cost (no prefill: on a CPU without native bf16 the bf16 draft's prefill alone cost seconds,
+issue 15) and, marginally, its proposals (its cache holds the target's rounded keys instead of its own).
+
+Row layouts (batch ``b``, ``kv_heads`` ``h``, ``head_dim`` ``d``, positions ``n``):
+
+* :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache`: ``keys[layer]`` ``[b, h, capacity, d]``;
+* :class:`~optimum_ipex_spec.cache.IPEXFusedCache`: ``ipex_layers[layer][1]`` ``[capacity, b, h, d]`` (the rows the
+  exact verify graph writes, :func:`~optimum_ipex_spec.exporters.ipex.exact_chunk_attention`).
+
+Both hold post-RoPE keys by absolute position, so row ``i`` of one is row ``i`` of the other.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from .cache import IPEXFusedCache
+from .torch_cache import PreallocatedKVCache
+
+#: caches whose rows can be read and written here
+SHARABLE_CACHES = (IPEXFusedCache, PreallocatedKVCache)
+
+
+def _geometry(model) -> Optional[Tuple[int, int, int]]:
+    """``(layers, kv_heads, head_dim)`` of a model's KV cache, from its config; None when the config lacks them."""
+    config = model.config.get_text_config()
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(layers), int(kv_heads), int(head_dim)
+
+
+def shares_target_kv(target, draft) -> bool:
+    """Whether ``draft`` can fill its cache from ``target``'s: both of ours (``IPEXModelForCausalLM``), the draft
+    not turned off (``draft.share_target_kv = False``), exported from the same checkpoint (``source``), with the
+    same cache geometry (layers, KV heads, head size). Any other pair drafts from its own cache."""
+    source = getattr(target, "source", None)
+    if not source or getattr(draft, "source", None) != source or not getattr(draft, "share_target_kv", False):
+        return False
+    geometry = _geometry(target)
+    return geometry is not None and geometry == _geometry(draft)
+
+
+def _rows(cache, start: int, end: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, ``(keys, values)`` ``[b, h, end - start, d]`` (views) of positions ``start .. end - 1``."""
+    if isinstance(cache, PreallocatedKVCache):
+        return [(k[:, :, start:end], v[:, :, start:end]) for k, v in zip(cache.keys, cache.values)]
+    return [(layer[1][start:end].permute(1, 2, 0, 3), layer[2][start:end].permute(1, 2, 0, 3))
+            for layer in cache.ipex_layers]
+
+
+def has_buffers(cache) -> bool:
+    """Whether rows can be written into ``cache`` now: an IPEX cache gets its buffers from IPEX's kernel on its
+    first forward (a draft runs its first token itself)."""
+    return not isinstance(cache, IPEXFusedCache) or cache.get_seq_length() > 0
+
+
+def copy_rows(source, destination, end: int) -> int:
+    """Write positions ``destination.get_seq_length() .. end - 1`` of ``source``'s cache into ``destination``
+    (converted to its dtype) and make ``destination`` hold ``end`` tokens. Returns the rows copied.
+
+    Raises:
+        TypeError: a cache of another kind than :data:`SHARABLE_CACHES`.
+        ValueError: ``source`` holds fewer than ``end`` tokens, the two have other layer counts, batch sizes or row
+            shapes, or ``destination`` has no buffers yet (an empty IPEX cache: see :func:`has_buffers`).
+    """
+    for cache in (source, destination):
+        if not isinstance(cache, SHARABLE_CACHES):
+            raise TypeError(f"rows can be shared between {', '.join(c.__name__ for c in SHARABLE_CACHES)} only, got "
+                            f"{type(cache).__name__}")
+    start = destination.get_seq_length()
+    if end <= start:
+        return 0
+    if source.get_seq_length() < end:
+        raise ValueError(f"the source cache holds {source.get_seq_length()} tokens; {end} were asked for")
+    if not has_buffers(destination):
+        raise ValueError("an empty IPEX cache has no buffers yet: run the draft's first token before copying rows")
+    rows = _rows(source, start, end)
+    if len(rows) != len(destination):
+        raise ValueError(f"the caches have {len(rows)} and {len(destination)} layers")
+    destination.reserve(end)
+    target_rows = _rows(destination, start, end)
+    for (key, value), (key_out, value_out) in zip(rows, target_rows):
+        if key.shape != key_out.shape:
+            raise ValueError(f"cache rows of shape {tuple(key.shape)} cannot fill rows of shape {tuple(key_out.shape)} "
+                             "[batch, kv_heads, tokens, head_dim]")
+        key_out.copy_(key)
+        value_out.copy_(value)
+    if isinstance(destination, PreallocatedKVCache):
+        destination.advance(end - start)
+    else:  # IPEX reads the held length off seq_info's shape only
+        info = torch.empty(1, end, end, 1, dtype=torch.long)
+        destination.ipex_layers = tuple((info,) + tuple(layer[1:]) for layer in destination.ipex_layers)
+    return end - start

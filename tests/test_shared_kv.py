@@ -1,0 +1,156 @@
+"""A self-draft fills its KV cache from the target's (optimum_ipex_spec/shared_kv.py): the rows it copies give the
+logits its own prefill gives, every pairing stays token-identical to the target alone, and only drafts of the
+target's own checkpoint share."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import build_tiny
+from optimum_ipex_spec import IPEXModelForCausalLM
+from optimum_ipex_spec.cache import IPEXFusedCache
+from optimum_ipex_spec.shared_kv import copy_rows, has_buffers, shares_target_kv
+from optimum_ipex_spec.torch_cache import PreallocatedKVCache
+
+#: backend="auto" is IPEX's graphs where IPEX runs (the ipex28 lane) and the pure-PyTorch path elsewhere
+BACKENDS = ["auto", "torch"]
+_EXPORTS = {}
+
+
+def _export(path, dtype=torch.float32, backend="auto"):
+    key = (path, dtype, backend)
+    if key not in _EXPORTS:
+        _EXPORTS[key] = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=dtype, backend=backend)
+    model = _EXPORTS[key]
+    model.generation_config = copy.deepcopy(_EXPORTS.setdefault((key, "gc"), copy.deepcopy(model.generation_config)))
+    model.share_target_kv = True
+    return model
+
+
+def _draft_cache_from(target, draft, ids):
+    """The draft's cache for ``ids[:, :-1]`` filled from the target's (as the draft generator does)."""
+    target_cache = target.new_cache(1)
+    target(ids[:, :-1], past_key_values=target_cache)
+    cache = draft.new_cache(1)
+    if not has_buffers(cache):
+        draft(ids[:, :1], past_key_values=cache)
+    copied = copy_rows(target_cache, cache, ids.shape[1] - 1)
+    assert copied == ids.shape[1] - 1 - (1 if isinstance(cache, IPEXFusedCache) else 0)
+    assert cache.get_seq_length() == ids.shape[1] - 1
+    return cache
+
+
+@pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("draft_backend", BACKENDS)
+@pytest.mark.parametrize("target_backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_copied_rows_give_the_logits_of_the_drafts_own_prefill(arch, target_backend, draft_backend, draft_dtype,
+                                                               tiny_dir):
+    """Rows copied from an fp32 target's cache (either layout) into a draft's cache (either layout): the next five
+    decode steps give the logits the draft's own prefill gives; exactly in fp32 (same weights, same values), within
+    bf16 rounding in bf16."""
+    path = tiny_dir(arch)
+    target = _export(path, torch.float32, target_backend)
+    draft = _export(path, draft_dtype, draft_backend)
+    ids = torch.randint(3, 1000, (1, 29), generator=torch.Generator().manual_seed(1))
+    own = draft.new_cache(1)
+    logits_own = draft(ids, past_key_values=own).logits[:, -1].float()
+    shared = _draft_cache_from(target, draft, ids)
+    logits_shared = draft(ids[:, -1:], past_key_values=shared).logits[:, -1].float()
+    tolerance = dict(atol=2e-5, rtol=1e-4) if draft_dtype == torch.float32 else dict(atol=3e-2, rtol=0)
+    torch.testing.assert_close(logits_shared, logits_own, **tolerance)
+    token = logits_own.argmax(-1, keepdim=True)
+    for _ in range(5):
+        a = draft(token, past_key_values=own).logits[:, -1].float()
+        b = draft(token, past_key_values=shared).logits[:, -1].float()
+        torch.testing.assert_close(b, a, **tolerance)
+        token = a.argmax(-1, keepdim=True)
+
+
+TEXTS = [
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "  Whitespace   and\ttabs, digits 0123456789 and ünïcödé — 東京 ✓",
+]
+
+
+def _drafts(path, backend):
+    """The self-drafts of an fp32 target of ``backend``: its bf16 copy (same backend) and, on the pure-PyTorch
+    decoder, its weight-only int8 copy; both share the target's cache."""
+    target = _export(path, torch.float32, backend)
+    return target, {"bf16": _export(path, torch.bfloat16, backend), "int8": target.self_draft(weights="int8")}
+
+
+@pytest.mark.parametrize("schedule", ["cost", "constant"])
+@pytest.mark.parametrize("draft_kind", ["bf16", "int8"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_self_draft_sharing_the_target_cache_is_lossless(arch, backend, draft_kind, schedule, tiny_dir, tokenizer):
+    """Greedy fp32: token-identical to transformers' greedy output, with the cache shared and without; with the cost
+    model (the draft starts after the target's prefill) the draft copies the whole prompt instead of running it."""
+    path = tiny_dir(arch)
+    stock = AutoModelForCausalLM.from_pretrained(path).eval()
+    target, drafts = _drafts(path, backend)
+    draft = drafts[draft_kind]
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.num_assistant_tokens_schedule = schedule
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    for text in TEXTS:
+        inputs = tokenizer(text, return_tensors="pt")
+        prompt = inputs["input_ids"].shape[1]
+        expected = stock.generate(**inputs, max_new_tokens=40, do_sample=False)
+        runs = {}
+        for share in (True, False):
+            draft.share_target_kv = share
+            got = target.generate(**inputs, max_new_tokens=40, do_sample=False, assistant_model=draft)
+            assert torch.equal(got, expected), (share, text)
+            runs[share] = draft.last_speculation_stats
+        assert runs[False].shared_rows == 0
+        assert runs[True].shared_rows > 0
+        assert runs[True].draft_forward_tokens < runs[False].draft_forward_tokens
+        if schedule == "cost" and runs[True].rounds:
+            assert runs[True].shared_rows >= prompt - 1, "the draft ran its prompt instead of copying it"
+    draft.share_target_kv = True
+
+
+def test_only_a_draft_of_the_targets_checkpoint_with_its_geometry_shares(tiny_dir, tmp_path):
+    path = tiny_dir("llama")
+    target = _export(path, torch.float32, "torch")
+    draft = _export(path, torch.bfloat16, "torch")
+    assert shares_target_kv(target, draft)
+    draft.share_target_kv = False
+    assert not shares_target_kv(target, draft)
+    draft.share_target_kv = True
+    other = tmp_path / "other"
+    build_tiny("llama", seed=1).save_pretrained(other)  # another checkpoint of the same geometry
+    assert not shares_target_kv(target, _export(str(other), torch.bfloat16, "torch"))
+    deeper = tmp_path / "deeper"
+    build_tiny("llama", layers=3).save_pretrained(deeper)
+    deeper_model = _export(str(deeper), torch.bfloat16, "torch")
+    deeper_model.source = target.source  # the same name, another geometry
+    assert not shares_target_kv(target, deeper_model)
+    stock = AutoModelForCausalLM.from_pretrained(path)
+    assert not shares_target_kv(target, stock)
+    anonymous = IPEXModelForCausalLM(target.model, target.config, backend="torch", dtype=torch.float32, warmup=False)
+    assert not shares_target_kv(anonymous, anonymous)  # no source: nothing says the checkpoints are the same
+
+
+def test_copy_rows_refuses_what_it_cannot_fill():
+    source = PreallocatedKVCache(2, 1, 2, 8, capacity=4)
+    source.advance(3)
+    with pytest.raises(ValueError, match="holds 3 tokens; 5 were asked"):
+        copy_rows(source, PreallocatedKVCache(2, 1, 2, 8), 5)
+    with pytest.raises(ValueError, match="2 and 3 layers"):
+        copy_rows(source, PreallocatedKVCache(3, 1, 2, 8), 3)
+    with pytest.raises(ValueError, match=r"\[batch, kv_heads, tokens, head_dim\]"):
+        copy_rows(source, PreallocatedKVCache(2, 1, 4, 8), 3)
+    with pytest.raises(ValueError, match="no buffers yet"):
+        copy_rows(source, IPEXFusedCache(2, 1), 3)
+    with pytest.raises(TypeError, match="got DynamicCache"):
+        from transformers import DynamicCache
+
+        copy_rows(source, DynamicCache(), 3)
+    destination = PreallocatedKVCache(2, 1, 2, 8, dtype=torch.bfloat16, capacity=1)
+    assert copy_rows(source, destination, 3) == 3 and destination.get_seq_length() == 3
+    assert destination.capacity >= 3 and copy_rows(source, destination, 2) == 0
