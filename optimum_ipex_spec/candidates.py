@@ -72,7 +72,8 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
             ``PreallocatedKVCache``, updated in place by the target), for a draft that shares it
             (:func:`~optimum_ipex_spec.shared_kv.shares_target_kv`): what the draft lacks of the tokens the target
             has verified is copied from it (:func:`~optimum_ipex_spec.shared_kv.copy_rows`), and only the last
-            token runs through the draft. None: the draft computes its own cache.
+            token runs through the draft; a first call before the target's prefill proposes nothing, whatever the
+            schedule, so that the target prefills alone. None: the draft computes its own cache.
     Other arguments: transformers' ``AssistedCandidateGenerator``'s.
     """
 
@@ -82,6 +83,7 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
         super().__init__(*args, **kwargs)
         self._target_cache = target_cache
         self._cache = None  # the draft's own cache (IPEXFusedCache or PreallocatedKVCache)
+        self._waiting_for_target = False
         eos = self.generation_config.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self._eos = torch.tensor(eos, dtype=torch.long)
@@ -89,6 +91,9 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
         self.assistant_model.last_speculation_stats = self.stats
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        if self._waiting_for_target:  # the round that let the target prefill alone: nothing was proposed
+            self._waiting_for_target = False
+            return
         self.stats.rounds += 1
         self.stats.proposed += scores.shape[1] - 1
         self.stats.accepted += int(num_matches)
@@ -102,6 +107,12 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
             max_new_tokens = min(int(self.num_assistant_tokens),
                                  self.generation_config.max_length - input_ids.shape[-1] - 1)
         if max_new_tokens <= 0:
+            return input_ids, None
+        if self._target_cache is not None and self._target_cache.get_seq_length() == 0:
+            # The target has not run its prefill yet (transformers' schedules call the draft first): propose nothing
+            # this round, so the first token comes as early as without a draft and the draft then copies the prompt's
+            # rows instead of running them.
+            self._waiting_for_target = True
             return input_ids, None
         draft = self.assistant_model
         if self._cache is None:

@@ -199,6 +199,19 @@ def ipex_bf16(ipex_available):
     return ipex_available
 
 
+@pytest.fixture
+def cpu_without_onednn_bf16(monkeypatch):
+    """Simulate a CPU without native bf16 (AVX2 only) on any machine: torch's oneDNN probe says no, and our cached
+    probe (``dense_weights.onednn_bf16_available``) asks it again, before the test and after it (a value cached
+    earlier in the session would hide the simulation; the simulated one must not outlive the test)."""
+    from optimum_ipex_spec.dense_weights import onednn_bf16_available
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    onednn_bf16_available.cache_clear()
+    yield
+    onednn_bf16_available.cache_clear()
+
+
 def copy_model(model):
     return copy.deepcopy(model)
 

@@ -251,10 +251,9 @@ def test_bad_input_to_the_compiled_step_is_refused_early(dense_bf16_compile):
                                                      backend="torch", torch_compile="false")
 
 
-def test_dense_bf16_compile_is_refused_on_a_cpu_without_onednn_bf16(monkeypatch):
+def test_dense_bf16_compile_is_refused_on_a_cpu_without_onednn_bf16(cpu_without_onednn_bf16):
     """On an AVX2-only CPU (simulated here on any machine) a compiled dense bf16 step computed wrong logits: it is
     refused before anything compiles, with the fixes; the int8 step is still allowed."""
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     model = build_tiny("llama", vocab_size=512).to(torch.bfloat16)
     with pytest.raises(ValueError, match="no oneDNN bf16.*Drop torch_compile.*weights='int8'"):
         IPEXModelForCausalLM.from_transformers_model(model, backend="torch", torch_compile=True)

@@ -327,12 +327,12 @@ def test_saved_bf16_ipex_export_on_cpu_without_bf16_raises(cpu_without_bf16, ipe
     assert "torch_dtype=torch.float32 keeps IPEX" in str(err.value)
 
 
-def test_bf16_self_draft_on_a_cpu_without_native_bf16_warns_once_and_stays_exact(monkeypatch, tiny_dir, caplog):
+def test_bf16_self_draft_on_a_cpu_without_native_bf16_warns_once_and_stays_exact(cpu_without_onednn_bf16, tiny_dir,
+                                                                                   caplog):
     """Measured on an AVX2-only CPU: the bf16 copy is hardly cheaper than its fp32 target. It still drafts exactly;
     the user is told once why it gains little."""
     import optimum_ipex_spec.modeling as modeling
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     modeling._warn_emulated_bf16_draft.cache_clear()
     target = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True)
     with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec"):
