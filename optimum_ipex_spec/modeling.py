@@ -91,8 +91,8 @@ MAX_DRAFT_TOKENS = 16
 def _warn_emulated_bf16_draft(capability: str) -> None:
     logger.warning(
         "This CPU (%s) has no native bf16 (oneDNN bf16: AVX512-BF16/AMX or AVX512-BW/VL/DQ): a bf16 self-draft "
-        "computes hardly faster than its fp32 target, so speculating with it gains little (SmolLM2 on AVX2: x0.95-1.12 "
-        "end to end per prompt, the draft reading the target's KV cache; x0.54-0.74 drafting from its own cache), "
+        "computes hardly faster than its fp32 target, so speculating with it gains little (SmolLM2 on AVX2: x0.95-1.20 "
+        "end to end per prompt, the draft reading the target's KV cache; x0.48-0.74 drafting from its own cache), "
         "though output stays exact. Use a smaller draft model, or decode without one.", capability)
 
 
