@@ -119,9 +119,14 @@ class IPEXFusedCache(DynamicCache):
         """
         current = self.get_seq_length()
         keep = crop_keep_length(current, max_length)
-        if keep >= current:
-            return
-        info = torch.empty(1, keep, keep, 1, dtype=torch.long)
+        if keep < current:
+            self.hold(keep)
+
+    def hold(self, length: int) -> None:
+        """Set the number of tokens held to ``length`` (IPEX reads it off ``seq_info``'s shape only): fewer rolls the
+        cache back; more adopts rows written into the buffers directly (the verify graph's chunk,
+        :func:`~optimum_ipex_spec.shared_kv.copy_rows`), which must be there."""
+        info = torch.empty(1, length, length, 1, dtype=torch.long)
         self.ipex_layers = tuple((info,) + tuple(layer[1:]) for layer in self.ipex_layers)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):

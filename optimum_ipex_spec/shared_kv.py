@@ -47,9 +47,9 @@ def _geometry(model) -> Optional[Tuple[int, int, int]]:
 
 
 def shares_target_kv(target, draft) -> bool:
-    """Whether ``draft`` can fill its cache from ``target``'s: both of ours (``IPEXModelForCausalLM``), the draft
-    not turned off (``draft.share_target_kv = False``), exported from the same checkpoint (``source``), with the
-    same cache geometry (layers, KV heads, head size). Any other pair drafts from its own cache."""
+    """Whether ``draft`` can fill its cache from ``target``'s: both exported from the same checkpoint (the same
+    non-empty ``source``: only our models have one), the draft not turned off (``draft.share_target_kv = False``),
+    with the same cache geometry (layers, KV heads, head size). Any other pair drafts from its own cache."""
     source = getattr(target, "source", None)
     if not source or getattr(draft, "source", None) != source or not getattr(draft, "share_target_kv", False):
         return False
@@ -104,7 +104,6 @@ def copy_rows(source, destination, end: int) -> int:
         value_out.copy_(value)
     if isinstance(destination, PreallocatedKVCache):
         destination.advance(end - start)
-    else:  # IPEX reads the held length off seq_info's shape only
-        info = torch.empty(1, end, end, 1, dtype=torch.long)
-        destination.ipex_layers = tuple((info,) + tuple(layer[1:]) for layer in destination.ipex_layers)
+    else:
+        destination.hold(end)
     return end - start
