@@ -24,6 +24,7 @@ Both hold post-RoPE keys by absolute position, so row ``i`` of one is row ``i`` 
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -46,12 +47,20 @@ def _geometry(model) -> Optional[Tuple[int, int, int]]:
     return int(layers), int(kv_heads), int(head_dim)
 
 
+def _checkpoint(source: str) -> str:
+    """``source`` as one spelling: a local folder's real path (a trailing slash, ``./`` or a relative path name the same
+    checkpoint), anything else (a hub id) as given."""
+    return os.path.realpath(source) if os.path.isdir(source) else source
+
+
 def shares_target_kv(target, draft) -> bool:
     """Whether ``draft`` can fill its cache from ``target``'s: both exported from the same checkpoint (the same
-    non-empty ``source``: only our models have one), the draft not turned off (``draft.share_target_kv = False``),
+    non-empty ``source``, a local folder however spelled: only our models have one), the draft not turned off (``draft.share_target_kv = False``),
     with the same cache geometry (layers, KV heads, head size). Any other pair drafts from its own cache."""
-    source = getattr(target, "source", None)
-    if not source or getattr(draft, "source", None) != source or not getattr(draft, "share_target_kv", False):
+    source, draft_source = getattr(target, "source", None), getattr(draft, "source", None)
+    if not source or not draft_source or not getattr(draft, "share_target_kv", False):
+        return False
+    if _checkpoint(str(draft_source)) != _checkpoint(str(source)):
         return False
     geometry = _geometry(target)
     return geometry is not None and geometry == _geometry(draft)

@@ -3,6 +3,7 @@ logits its own prefill gives, every pairing stays token-identical to the target 
 target's own checkpoint share."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -123,6 +124,10 @@ def test_only_a_draft_of_the_targets_checkpoint_with_its_geometry_shares(tiny_di
     draft.share_target_kv = False
     assert not shares_target_kv(target, draft)
     draft.share_target_kv = True
+    for spelling in (path + "/", os.path.join(path, "."), os.path.relpath(path)):  # one folder, other spellings
+        draft.source = spelling
+        assert shares_target_kv(target, draft), spelling
+    draft.source = path
     other = tmp_path / "other"
     build_tiny("llama", seed=1).save_pretrained(other)  # another checkpoint of the same geometry
     assert not shares_target_kv(target, _export(str(other), torch.bfloat16, "torch"))
