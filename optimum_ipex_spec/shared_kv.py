@@ -25,26 +25,15 @@ Both hold post-RoPE keys by absolute position, so row ``i`` of one is row ``i`` 
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
 from .cache import IPEXFusedCache
-from .torch_cache import PreallocatedKVCache
+from .torch_cache import PreallocatedKVCache, kv_geometry
 
 #: caches whose rows can be read and written here
 SHARABLE_CACHES = (IPEXFusedCache, PreallocatedKVCache)
-
-
-def _geometry(model) -> Optional[Tuple[int, int, int]]:
-    """``(layers, kv_heads, head_dim)`` of a model's KV cache, from its config; None when the config lacks them."""
-    config = model.config.get_text_config()
-    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
-    if not layers or not heads:
-        return None
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return int(layers), int(kv_heads), int(head_dim)
 
 
 def _checkpoint(source: str) -> str:
@@ -55,15 +44,16 @@ def _checkpoint(source: str) -> str:
 
 def shares_target_kv(target, draft) -> bool:
     """Whether ``draft`` can fill its cache from ``target``'s: both exported from the same checkpoint (the same
-    non-empty ``source``, a local folder however spelled: only our models have one), the draft not turned off (``draft.share_target_kv = False``),
-    with the same cache geometry (layers, KV heads, head size). Any other pair drafts from its own cache."""
+    non-empty ``source``, a local folder however spelled: only our models have one), the draft not turned off
+    (``draft.share_target_kv = False``), with the same cache geometry (layers, KV heads, head size). Any other pair
+    drafts from its own cache."""
     source, draft_source = getattr(target, "source", None), getattr(draft, "source", None)
     if not source or not draft_source or not getattr(draft, "share_target_kv", False):
         return False
     if _checkpoint(str(draft_source)) != _checkpoint(str(source)):
         return False
-    geometry = _geometry(target)
-    return geometry is not None and geometry == _geometry(draft)
+    geometry = kv_geometry(target.config.get_text_config())
+    return geometry is not None and geometry == kv_geometry(draft.config.get_text_config())
 
 
 def _rows(cache, start: int, end: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:

@@ -17,6 +17,17 @@ from transformers.cache_utils import DynamicCache
 from .compat import crop_keep_length
 
 
+def kv_geometry(config) -> Optional[Tuple[int, int, int]]:
+    """``(layers, kv_heads, head_dim)`` of a decoder's KV cache, from its transformers (text) config; None when the
+    config lacks the layer or head count."""
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(layers), int(kv_heads), int(head_dim)
+
+
 class PreallocatedKVCache(DynamicCache):
     """KV cache of :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder`.
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .facts import LLAMA_FAMILY_ARCHITECTURES, WEIGHT_FORMATS
 from .int8_weights import Int8Weight
 from .dense_weights import DenseProjection
-from .torch_cache import PreallocatedKVCache
+from .torch_cache import PreallocatedKVCache, kv_geometry
 from .utils.memory import page_out, return_freed_memory
 
 #: transformers model classes whose decoder layers this module can run.
@@ -112,9 +112,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
         config = model.config
         self.model = model
         self.num_heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.num_layers = config.num_hidden_layers
+        self.num_layers, self.kv_heads, self.head_dim = kv_geometry(config)
         self.scaling = self.head_dim ** -0.5
         self.sliding_window: Optional[int] = layer_windows(model)[0]
         if weights == "dense" and model.dtype == torch.bfloat16:
