@@ -31,12 +31,16 @@ def has_export(folder: str) -> bool:
 def reexport_hint(meta: Optional[dict]) -> str:
     source = meta.get("source") if isinstance(meta, dict) else None
     target = repr(source) if source else "the original checkpoint"
+    options = meta.get("source_options") if source and isinstance(meta.get("source_options"), dict) else None
+    target += "".join(f", {key}={value!r}" for key, value in (options or {}).items())
     return f"re-export it with IPEXModelForCausalLM.from_pretrained({target}, export=True)"
 
 
 def export_meta(backend: str, dtype_name: str, architecture: str, source: Optional[str],
-                ipex_version: Optional[str]) -> dict:
-    """The content of ``ipex_export.json`` for an export made in this environment."""
+                ipex_version: Optional[str], source_options: Optional[dict] = None) -> dict:
+    """The content of ``ipex_export.json`` for an export made in this environment. ``source``: the checkpoint it was
+    exported from (a local path or hub id); ``source_options``: the hub options that name it (``revision``,
+    ``subfolder``)."""
     import torch
 
     return {
@@ -47,6 +51,7 @@ def export_meta(backend: str, dtype_name: str, architecture: str, source: Option
         "ipex_version": ipex_version if backend == "ipex" else None,
         "architecture": architecture,
         "source": source,
+        "source_options": dict(source_options or {}),
     }
 
 
@@ -85,6 +90,11 @@ def read_export_meta(folder: str, model_id: str) -> dict:
         except Exception as exc:
             raise ValueError(f"{path}: ipex_version {meta['ipex_version']!r} is not a version; "
                              f"{reexport_hint(meta)}") from exc
+    options = meta.get("source_options")  # absent from exports written before it was recorded
+    if options is not None and not (isinstance(options, dict) and all(
+            key in ("revision", "subfolder") and isinstance(value, str) for key, value in options.items())):
+        raise ValueError(f"{path}: source_options {options!r} is not a mapping of revision/subfolder to strings; "
+                         f"{reexport_hint({})}")
     return meta
 
 

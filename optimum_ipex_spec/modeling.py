@@ -144,12 +144,15 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         source: Optional[str] = None,
         weights: str = "dense",
         torch_compile: bool = False,
+        source_options: Optional[dict] = None,
     ):
         if backend not in ("ipex", "torch"):
             raise ValueError(f"backend must be 'ipex' or 'torch', got {backend!r}")
         super().__init__(model, config)
         self.backend = backend
         self.source = source
+        #: hub options that name ``source``'s checkpoint (``revision``, ``subfolder``), passed on by self_draft()
+        self.source_options = dict(source_options or {})
         self.last_speculation_stats = None
         self.last_strategy = None
         self.last_cost_model = None
@@ -495,8 +498,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 raise ValueError("weights='int8' runs on our pure-PyTorch decoder with bf16 activations: pass "
                                  "torch_dtype=torch.bfloat16 and backend='auto' or 'torch'")
             draft = type(self).from_transformers_model(
-                load_causal_lm(self.source, torch.bfloat16),
-                dtype=torch.bfloat16, backend="torch", source=self.source, weights="int8", torch_compile=torch_compile)
+                load_causal_lm(self.source, torch.bfloat16, **self.source_options),
+                dtype=torch.bfloat16, backend="torch", source=self.source, weights="int8", torch_compile=torch_compile,
+                source_options=self.source_options)
         elif resolve_dtype(torch_dtype) == self._dtype:
             raise ValueError(
                 f"this model is already {dtype_name(self._dtype)}: a {dtype_name(self._dtype)} copy is not a cheaper "
@@ -504,7 +508,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         else:
             draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend,
-                                               torch_compile=torch_compile)
+                                               torch_compile=torch_compile, **self.source_options)
         if draft._dtype == torch.bfloat16 and not onednn_bf16_available():
             _warn_emulated_bf16_draft(torch.backends.cpu.get_cpu_capability())
         # A copy of the target agrees with it almost always: stopping a draft block early on low draft
@@ -552,8 +556,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 f"model folder {model_id} does not exist; pass a transformers checkpoint folder, a folder written by "
                 "IPEXModelForCausalLM.save_pretrained, or a hub model id"
             )
-        if os.path.isdir(model_id) and not os.path.isfile(os.path.join(model_id, "config.json")):
-            raise FileNotFoundError(f"{model_id} has no config.json: it is not a transformers model folder")
+        folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
+        if os.path.isdir(model_id) and not os.path.isfile(os.path.join(folder, "config.json")):
+            raise FileNotFoundError(f"{folder} has no config.json: it is not a transformers model folder")
         backend = kwargs.get("backend", "auto")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -632,9 +637,15 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if subfolder:
             load_kwargs["subfolder"] = subfolder
         eager = load_causal_lm(model_id, dtype, **load_kwargs)  # a local fp32 checkpoint read straight into bf16
+        # the checkpoint's name for self_draft() and KV sharing: a local subfolder as its path, hub options beside an id
+        if os.path.isdir(model_id):
+            source, source_options = folder, {}
+        else:
+            source = model_id
+            source_options = {key: value for key, value in (("revision", revision), ("subfolder", subfolder)) if value}
         return cls.from_transformers_model(
-            eager, dtype=dtype, backend=backend, generation_config=eager.generation_config, source=model_id,
-            torch_compile=torch_compile,
+            eager, dtype=dtype, backend=backend, generation_config=eager.generation_config, source=source,
+            torch_compile=torch_compile, source_options=source_options,
         )
 
     @classmethod
@@ -647,6 +658,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         source: Optional[str] = None,
         weights: str = "dense",
         torch_compile: bool = False,
+        source_options: Optional[dict] = None,
     ) -> "IPEXModelForCausalLM":
         """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
         if you still need the eager model, or want to export it again. ``weights="int8"`` (``backend="torch"``,
@@ -683,16 +695,16 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder: pass backend='auto' or "
                                  "'torch', or weights='dense' for IPEX")
             return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config,
-                       source=source, weights=weights, torch_compile=torch_compile)
+                       source=source, weights=weights, torch_compile=torch_compile, source_options=source_options)
         if torch_compile:  # the compiled step is our decoder's: "auto" means it, "ipex" cannot have it
             check_torch_compile("torch" if backend == "auto" else backend, model, dtype, weights)
             backend = "torch"
         if cls._choose_backend(backend, config, dtype) == "ipex":
             graphs = export_to_ipex(model, dtype)
             return cls(graphs.decode, config, backend="ipex", dtype=dtype, generation_config=generation_config,
-                       verify_model=graphs.verify, source=source)
+                       verify_model=graphs.verify, source=source, source_options=source_options)
         return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config, source=source,
-                   torch_compile=torch_compile)
+                   torch_compile=torch_compile, source_options=source_options)
 
     @classmethod
     def _from_pretrained(
@@ -751,7 +763,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             check_ipex_for_saved_graph(model_id, meta, ipex_status())
             graphs = load_graphs(folder, meta)
             model = cls(graphs.decode, config, backend="ipex", dtype=dtype, generation_config=generation_config,
-                        model_save_dir=folder, verify_model=graphs.verify, source=meta.get("source"), warmup=False)
+                        model_save_dir=folder, verify_model=graphs.verify, source=meta.get("source"), warmup=False,
+                        source_options=meta.get("source_options"))
             try:
                 model.runner.warmup()
             except RuntimeError as exc:  # e.g. a config.json that does not match the graph
@@ -767,7 +780,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
         return cls(eager.eval(), config, backend="torch", dtype=dtype, generation_config=generation_config,
-                   model_save_dir=folder, source=meta.get("source"), torch_compile=torch_compile)
+                   model_save_dir=folder, source=meta.get("source"), torch_compile=torch_compile,
+                   source_options=meta.get("source_options"))
 
     def _save_pretrained(self, save_directory: Union[str, Path]) -> None:
         if self.weights != "dense":
@@ -786,7 +800,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self.generation_config.save_pretrained(save_directory)
         ipex_version = ipex_status().ipex_version if self.backend == "ipex" else None
         write_export_meta(save_directory, export_meta(self.backend, dtype_name(self._dtype),
-                                                      first_architecture(self.config), self.source, ipex_version))
+                                                      first_architecture(self.config), self.source, ipex_version,
+                                                      self.source_options))
 
 
 register_for_pipelines(IPEXModelForCausalLM.__name__)

@@ -44,13 +44,16 @@ def _checkpoint(source: str) -> str:
 
 def shares_target_kv(target, draft) -> bool:
     """Whether ``draft`` can fill its cache from ``target``'s: both exported from the same checkpoint (the same
-    non-empty ``source``, a local folder however spelled: only our models have one), the draft not turned off
+    non-empty ``source``, a local folder however spelled: only our models have one; the same ``source_options``, a hub
+    id's revision and subfolder), the draft not turned off
     (``draft.share_target_kv = False``), with the same cache geometry (layers, KV heads, head size). Any other pair
     drafts from its own cache."""
     source, draft_source = getattr(target, "source", None), getattr(draft, "source", None)
     if not source or not draft_source or not getattr(draft, "share_target_kv", False):
         return False
     if _checkpoint(str(draft_source)) != _checkpoint(str(source)):
+        return False
+    if getattr(target, "source_options", {}) != getattr(draft, "source_options", {}):  # another revision or subfolder
         return False
     geometry = kv_geometry(target.config.get_text_config())
     return geometry is not None and geometry == kv_geometry(draft.config.get_text_config())

@@ -140,6 +140,53 @@ def test_only_a_draft_of_the_targets_checkpoint_with_its_geometry_shares(tiny_di
     assert not shares_target_kv(target, stock)
     anonymous = IPEXModelForCausalLM(target.model, target.config, backend="torch", dtype=torch.float32, warmup=False)
     assert not shares_target_kv(anonymous, anonymous)  # no source: nothing says the checkpoints are the same
+    for options in ({"revision": "v2"}, {"subfolder": "base"}):  # the same hub id, another revision or subfolder
+        draft.source_options = options
+        assert not shares_target_kv(target, draft), options
+    draft.source_options = {}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_self_draft_of_a_checkpoint_in_a_subfolder_loads_it_and_shares(backend, tiny_dir, tmp_path, tokenizer):
+    """``from_pretrained(parent, subfolder=..., export=True)``: the export's source is the subfolder's path, so
+    self_draft() reloads that checkpoint (the parent holds none) and its draft shares the target's cache; greedy output
+    is transformers'."""
+    import shutil
+
+    shutil.copytree(tiny_dir("llama"), tmp_path / "repo" / "base")
+    target = IPEXModelForCausalLM.from_pretrained(str(tmp_path / "repo"), subfolder="base", export=True,
+                                                  backend=backend)
+    assert target.source == str(tmp_path / "repo" / "base") and target.source_options == {}
+    draft = target.self_draft()
+    assert shares_target_kv(target, draft)
+    inputs = tokenizer(TEXTS[0], return_tensors="pt")
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "repo" / "base").eval().generate(
+        **inputs, max_new_tokens=20, do_sample=False)
+    got = target.generate(**inputs, max_new_tokens=20, do_sample=False, assistant_model=draft)
+    assert torch.equal(got, expected)
+    assert draft.last_speculation_stats.shared_rows > 0
+
+
+def test_a_hub_ids_revision_and_subfolder_survive_save_and_load(tiny_dir, tmp_path):
+    """An export of a hub id keeps the revision and subfolder it was loaded with: save_pretrained writes them, loading
+    reads them back (self_draft() passes them on), and the re-export hint names them."""
+    import json
+
+    from optimum_ipex_spec.export_folder import read_export_meta, reexport_hint
+
+    options = {"revision": "v2", "subfolder": "base"}
+    model = IPEXModelForCausalLM.from_transformers_model(AutoModelForCausalLM.from_pretrained(tiny_dir("llama")),
+                                                         backend="torch", source="org/model", source_options=options)
+    model.save_pretrained(tmp_path / "saved")
+    loaded = IPEXModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert (loaded.source, loaded.source_options) == ("org/model", options)
+    meta = read_export_meta(str(tmp_path / "saved"), "saved")
+    assert reexport_hint(meta) == ("re-export it with IPEXModelForCausalLM.from_pretrained('org/model', "
+                                   "revision='v2', subfolder='base', export=True)")
+    path = tmp_path / "saved" / "ipex_export.json"
+    json.dump({**meta, "source_options": ["v2"]}, open(path, "w"))
+    with pytest.raises(ValueError, match="source_options"):
+        IPEXModelForCausalLM.from_pretrained(tmp_path / "saved")
 
 
 def test_copy_rows_refuses_what_it_cannot_fill():
