@@ -84,6 +84,9 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
         self._target_cache = target_cache
         self._cache = None  # the draft's own cache (IPEXFusedCache or PreallocatedKVCache)
         self._waiting_for_target = False
+        # a left-padded prompt's mask [1, prompt]: the draft must not attend to the padding either (None: no padding)
+        mask = getattr(self, "assistant_kwargs", {}).get("attention_mask")
+        self._prompt_mask = mask if isinstance(mask, torch.Tensor) and not bool(mask.all()) else None
         eos = self.generation_config.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self._eos = torch.tensor(eos, dtype=torch.long)
@@ -122,7 +125,8 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
         if self._target_cache is not None:
             self._share_target_rows(input_ids)
         self.stats.draft_forward_tokens += input_ids.shape[1] - self._cache.get_seq_length()
-        logits = draft(input_ids[:, self._cache.get_seq_length():], past_key_values=self._cache).logits[:, -1]
+        logits = draft(input_ids[:, self._cache.get_seq_length():], attention_mask=self._mask(input_ids.shape[1]),
+                       past_key_values=self._cache).logits[:, -1]
         threshold = draft.generation_config.assistant_confidence_threshold or 0.0
         new_tokens = []
         for step in range(max_new_tokens):
@@ -134,8 +138,19 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
                 break
             if step + 1 < max_new_tokens:
                 self.stats.draft_forward_tokens += 1
-                logits = draft(token, past_key_values=self._cache).logits[:, -1]
+                logits = draft(token, attention_mask=self._mask(input_ids.shape[1] + step + 1),
+                               past_key_values=self._cache).logits[:, -1]
         return torch.cat([input_ids] + new_tokens, dim=-1), None
+
+    def _mask(self, length: int) -> Optional[torch.Tensor]:
+        """The attention mask ``[1, length]`` of the first ``length`` tokens (the padded prompt's, then ones), or None
+        for an unpadded prompt."""
+        if self._prompt_mask is None:
+            return None
+        prompt = self._prompt_mask.shape[1]
+        if length <= prompt:
+            return self._prompt_mask[:, :length]
+        return torch.cat([self._prompt_mask, self._prompt_mask.new_ones(1, length - prompt)], dim=-1)
 
     def _share_target_rows(self, input_ids: torch.LongTensor) -> None:
         """Copy into the draft's cache the rows it lacks of ``input_ids [1, L]`` that the target's cache holds (at
@@ -146,7 +161,7 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
             return
         if not has_buffers(self._cache):
             self.stats.draft_forward_tokens += 1
-            self.assistant_model(input_ids[:, :1], past_key_values=self._cache)
+            self.assistant_model(input_ids[:, :1], attention_mask=self._mask(1), past_key_values=self._cache)
         self.stats.shared_rows += copy_rows(self._target_cache, self._cache, want)
 
 
