@@ -8,7 +8,16 @@ import torch.nn.functional as F
 
 from conftest import build_tiny
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.dense_weights import CHUNK_MAX_ROWS, FP32_ONEDNN_MIN_ROWS, DenseProjection, onednn_available
+from optimum_ipex_spec.dense_weights import (
+    CHUNK_MAX_ROWS,
+    FP32_ONEDNN_MIN_ROWS,
+    WIDE_MIN_OUT,
+    WIDE_TRANSPOSED_MAX_ROWS,
+    DenseLinear,
+    DenseProjection,
+    onednn_available,
+    use_dense_kernels,
+)
 from optimum_ipex_spec.torch_model import TorchCausalLMDecoder, kept_positions
 
 
@@ -81,6 +90,40 @@ def test_a_saved_torch_export_holds_each_weight_on_its_own(tmp_path, dtype):
                for name, t in tensors.items())
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("rows", [1, 2, WIDE_TRANSPOSED_MAX_ROWS, WIDE_TRANSPOSED_MAX_ROWS + 1])
+def test_an_fp32_output_head_takes_the_transposed_product_for_a_few_rows(rows, monkeypatch):
+    """A vocabulary-sized fp32 weight: 2 to WIDE_TRANSPOSED_MAX_ROWS rows are ``(W @ x.T).T`` (F.linear repacks the
+    whole weight per call there), the same products as F.linear."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(WIDE_MIN_OUT, 32, generator=generator)
+    x = torch.randn(1, rows, 32, generator=generator)
+    calls = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *args: calls.append(args[0].shape) or mm(*args))
+    got = DenseProjection(weight)(x)
+    assert (got - F.linear(x, weight)).abs().max().item() < 1e-4
+    assert bool(calls) == (1 < rows <= WIDE_TRANSPOSED_MAX_ROWS)
+    calls.clear()
+    DenseProjection(weight[:1024])(x)  # a decoder matrix of the same rows: not a head
+    assert not calls
+
+
+def test_use_dense_kernels_keeps_the_heads_parameters_and_tying():
+    """The eager runner's model: its nn.Linear head becomes a DenseLinear in place, the same Parameter (tied to the
+    embedding when it was), the same state dict, the same logits."""
+    model = build_tiny("llama").eval()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        keys = list(model.state_dict())
+        use_dense_kernels(model)
+        got = model(ids).logits
+    assert type(model.lm_head) is DenseLinear and model.lm_head.weight is model.model.embed_tokens.weight
+    assert list(model.state_dict()) == keys
+    assert (got - expected).abs().max().item() < 1e-5
 
 
 def test_a_tied_head_multiplies_the_embedding():

@@ -10,6 +10,7 @@ import transformers
 from transformers.cache_utils import DynamicCache
 
 from ..compat import cache_kwarg, static_caches_refuse_assisted
+from ..dense_weights import use_dense_kernels
 from .base import Runner
 
 logger = logging.getLogger("optimum_ipex_spec")
@@ -29,6 +30,7 @@ class EagerRunner(Runner):
 
     def __init__(self, model):
         self.model = model
+        use_dense_kernels(model)  # its output head: verification chunks on the fast kernels (dense_weights.py)
 
     def forward(self, input_ids, attention_mask, cache, position_ids, use_cache, kwargs):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
