@@ -3,8 +3,8 @@
 Pairs (1 thread, greedy, fp32 targets, one process, interleaved rounds; a ratio is the median over rounds of the
 target alone's time over the configuration's in the same round, robust to the machine's drift):
 SmolLM2-135M fp32 + its bf16 self-draft; SmolLM2-135M fp32 + a draft of the same architecture with random
-weights (useless: it never agrees); universal assisted generation with Gemma 3 270M as target and
-SmolLM2-135M as draft (different tokenizers). Output must be identical to the target alone (asserted).
+weights (useless: it never agrees); universal assisted generation with Gemma 3 270M, and with Qwen2.5-Coder-0.5B,
+as target and SmolLM2-135M as draft (different tokenizers). Output must be identical to the target alone (asserted).
 Writes docs/benchmarks-cost-model.md.
 
 Check (exit status 1 when it fails): with the useless draft, the cost model spends most rounds without the draft
@@ -38,7 +38,8 @@ def _pairs(only=None):
     def wanted(name):
         return only is None or only.lower() in name.lower()
 
-    names = ["SmolLM2 fp32 + bf16 self-draft", USELESS, "Gemma 3 270M + SmolLM2 (universal)"]
+    names = ["SmolLM2 fp32 + bf16 self-draft", USELESS, "Gemma 3 270M + SmolLM2 (universal)",
+             "Qwen2.5-Coder 0.5B + SmolLM2 (universal)"]
     smol = smol_tok = None
     if any(wanted(name) for name in names):
         smol = IPEXModelForCausalLM.from_pretrained("smollm2-135m-instruct", export=True)
@@ -53,6 +54,12 @@ def _pairs(only=None):
         gemma_tok = AutoTokenizer.from_pretrained(gemma.source)
         yield (names[2], gemma, smol, dict(tokenizer=gemma_tok, assistant_tokenizer=smol_tok),
                [("code", humaneval_prompts()[0]), ("news", news_articles()[0][:400])], gemma_tok)
+        del gemma
+    if wanted(names[3]):
+        qwen = IPEXModelForCausalLM.from_pretrained("qwen2.5-coder-0.5b-instruct", export=True)
+        qwen_tok = AutoTokenizer.from_pretrained(qwen.source)
+        yield (names[3], qwen, smol, dict(tokenizer=qwen_tok, assistant_tokenizer=smol_tok),
+               [("code", humaneval_prompts()[0]), ("news", news_articles()[0][:400])], qwen_tok)
 
 
 USELESS = "SmolLM2 fp32 + random-weights draft (useless)"
