@@ -57,6 +57,11 @@ VERIFIED_ARCHITECTURES = LLAMA_FAMILY_ARCHITECTURES + ("Gemma3ForCausalLM", "GPT
 TensorEntry = Tuple[str, int, torch.dtype, Tuple[int, ...], int, int]  # file, data start, dtype, shape, begin, end
 
 
+def checkpoint_folder(model_id: str, subfolder: Optional[str] = None) -> str:
+    """The folder a local ``model_id`` holds its checkpoint in: ``model_id/subfolder``, or ``model_id`` without one."""
+    return os.path.join(model_id, subfolder) if subfolder else model_id
+
+
 def load_causal_lm(model_id: str, dtype: torch.dtype, **kwargs) -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained(model_id, torch_dtype=dtype, **kwargs)``, with the peak memory of the
     weights in ``dtype`` when ``model_id`` is a local safetensors folder in another dtype (see the module docstring;
@@ -75,7 +80,7 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, **kwargs) -> PreTrainedMod
         and hands every case it does not cover to transformers); OSError if a weights file is shorter than its
         header says.
     """
-    folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
+    folder = checkpoint_folder(model_id, kwargs.get("subfolder"))
     plan = conversion_plan(folder, dtype, kwargs)
     if plan is None:
         return AutoModelForCausalLM.from_pretrained(model_id, **{**kwargs, _dtype_kwarg(): dtype})

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache import IPEXFusedCache
 from .candidates import StoppingCriteriaAwareCandidates, stop_proposals_at_stopping_criteria
-from .checkpoint_loading import load_causal_lm
+from .checkpoint_loading import checkpoint_folder, load_causal_lm
 from .compat import GenerationCompatMixin
 from .compiled_step import check_torch_compile, check_torch_compile_flag
 from .cost_model import COST_SCHEDULE, CostModel, speculate_by_cost
@@ -556,7 +556,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 f"model folder {model_id} does not exist; pass a transformers checkpoint folder, a folder written by "
                 "IPEXModelForCausalLM.save_pretrained, or a hub model id"
             )
-        folder = os.path.join(model_id, kwargs["subfolder"]) if kwargs.get("subfolder") else model_id
+        folder = checkpoint_folder(model_id, kwargs.get("subfolder"))
         if os.path.isdir(model_id) and not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"{folder} has no config.json: it is not a transformers model folder")
         backend = kwargs.get("backend", "auto")
@@ -619,7 +619,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         check_causal_lm_config(config, model_id)
-        folder = os.path.join(model_id, subfolder) if subfolder else model_id
+        folder = checkpoint_folder(model_id, subfolder)
         if has_export(folder):
             raise ValueError(
                 f"{model_id} is already an IPEX export (it has {EXPORT_CONFIG_NAME}): load it without export=True, "
@@ -724,7 +724,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         check_torch_compile_flag(torch_compile)
-        folder = os.path.join(model_id, subfolder) if subfolder else model_id
+        folder = checkpoint_folder(model_id, subfolder)
         if not has_export(folder):
             logger.info("%s holds no IPEX export (%s missing): exporting it now.", model_id, EXPORT_CONFIG_NAME)
             return cls._export(
