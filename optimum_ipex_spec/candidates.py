@@ -67,6 +67,15 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
     The first call may come at any length (the draft's cache catches up with whatever it lacks): the cost model
     can then leave the draft's prefill until after the first token (``starts_at_any_length``).
 
+    A draft that computes its own cache can also hold a *window* of the context (``context_window = W``): when it
+    lacks more than ``W`` tokens (its first call, or a probe after rounds without drafting), its cache restarts at
+    the last ``W`` tokens instead of running everything it lacks (positions count from the window's start; keys carry
+    relative rotary positions, so a window is a shorter context, not a shifted one). The cost model
+    (:func:`~optimum_ipex_spec.cost_model.speculate_by_cost`) sets it while it only measures whether the draft pays,
+    and clears it (``context_window = None``: the whole context) once it chooses to draft; the next call then runs
+    the whole context once (:attr:`restarts_context`). A useless draft so never pays for its prefill of the prompt.
+    Proposals change, the output does not.
+
     Args:
         target_cache: the target's cache of this ``generate()`` call (an ``IPEXFusedCache`` or
             ``PreallocatedKVCache``, updated in place by the target), for a draft that shares it
@@ -83,6 +92,8 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
         super().__init__(*args, **kwargs)
         self._target_cache = target_cache
         self._cache = None  # the draft's own cache (IPEXFusedCache or PreallocatedKVCache)
+        self._start = 0  # index in input_ids of the first token the draft's cache holds (> 0: a window)
+        self.context_window: Optional[int] = None  # see the class docstring; None: the whole context
         self._waiting_for_target = False
         # a left-padded prompt's mask [1, prompt]: the draft must not attend to the padding either (None: no padding)
         mask = getattr(self, "assistant_kwargs", {}).get("attention_mask")
@@ -118,14 +129,17 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
             self._waiting_for_target = True
             return input_ids, None
         draft = self.assistant_model
-        if self._cache is None:
-            self._cache = draft.new_cache(input_ids.shape[0])
-        # Roll the draft's cache back to the tokens the target accepted, then feed what it lacks.
-        self._cache.crop(min(self._cache.get_seq_length(), input_ids.shape[1] - 1))
+        # Roll the draft's cache back to the tokens the target accepted, then feed what it lacks (or restart it).
+        if self._cache is not None:
+            self._cache.crop(min(self._cache.get_seq_length(), input_ids.shape[1] - 1 - self._start))
+        start = self._window_start(input_ids.shape[1])
+        if self._cache is None or self.restarts_context or start > self._start:
+            self._cache, self._start = draft.new_cache(input_ids.shape[0]), start
         if self._target_cache is not None:
             self._share_target_rows(input_ids)
-        self.stats.draft_forward_tokens += input_ids.shape[1] - self._cache.get_seq_length()
-        logits = draft(input_ids[:, self._cache.get_seq_length():], attention_mask=self._mask(input_ids.shape[1]),
+        held = self._start + self._cache.get_seq_length()  # input_ids[:, :held] are in the cache (or before it)
+        self.stats.draft_forward_tokens += input_ids.shape[1] - held
+        logits = draft(input_ids[:, held:], attention_mask=self._mask(input_ids.shape[1]),
                        past_key_values=self._cache).logits[:, -1]
         threshold = draft.generation_config.assistant_confidence_threshold or 0.0
         new_tokens = []
@@ -142,15 +156,34 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
                                past_key_values=self._cache).logits[:, -1]
         return torch.cat([input_ids] + new_tokens, dim=-1), None
 
+    @property
+    def restarts_context(self) -> bool:
+        """True when the next call runs the whole context from its first token: the draft holds a window and
+        ``context_window`` was cleared."""
+        return self._cache is not None and self._start > 0 and self.context_window is None
+
+    def _window_start(self, length: int) -> int:
+        """Where the draft's cache should start for a context of ``length`` tokens: 0 for the whole context (no
+        window, or a draft that copies the target's rows), else the last ``context_window`` tokens' start when the
+        draft lacks more than that many, else where it starts now."""
+        if self.context_window is None or self._target_cache is not None:
+            return 0
+        held = self._start + (self._cache.get_seq_length() if self._cache is not None else 0)
+        if self._cache is not None and length - held <= self.context_window:
+            return self._start
+        return max(0, length - self.context_window)
+
     def _mask(self, length: int) -> Optional[torch.Tensor]:
-        """The attention mask ``[1, length]`` of the first ``length`` tokens (the padded prompt's, then ones), or None
-        for an unpadded prompt."""
+        """The attention mask ``[1, length - start]`` of the tokens up to ``length`` that the draft's cache holds (the
+        padded prompt's, then ones), or None for an unpadded prompt."""
         if self._prompt_mask is None:
             return None
         prompt = self._prompt_mask.shape[1]
         if length <= prompt:
-            return self._prompt_mask[:, :length]
-        return torch.cat([self._prompt_mask, self._prompt_mask.new_ones(1, length - prompt)], dim=-1)
+            mask = self._prompt_mask[:, :length]
+        else:
+            mask = torch.cat([self._prompt_mask, self._prompt_mask.new_ones(1, length - prompt)], dim=-1)
+        return mask[:, self._start:]
 
     def _share_target_rows(self, input_ids: torch.LongTensor) -> None:
         """Copy into the draft's cache the rows it lacks of ``input_ids [1, L]`` that the target's cache holds (at

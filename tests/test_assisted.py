@@ -178,6 +178,49 @@ def test_left_padded_prompt_drafts_with_its_attention_mask(draft_kind, tiny_dir)
     assert stats.proposed >= 10 and stats.acceptance_rate >= least, (stats.accepted, stats.proposed)
 
 
+@pytest.mark.parametrize("draft_kind", ["ipex", "torch"])
+@pytest.mark.parametrize("padding", [0, 40])
+def test_cost_model_drafts_on_a_window_then_on_the_whole_context(draft_kind, padding, tiny_dir, monkeypatch):
+    """Under the cost model our draft first holds the last PROBE_CONTEXT tokens (its first forward gets exactly
+    those, with the padded prompt's mask cut to them), and once the model chooses to draft, runs the whole context
+    once. On the tiny model a draft costs what the target does, so the choice is forced here (the decision itself is
+    tested on simulated costs in test_cost_model.py). Output is stock greedy's either way."""
+    from optimum_ipex_spec.cost_model import PROBE_CONTEXT, CostModel
+
+    monkeypatch.setattr(CostModel, "best_k", lambda self: 4)
+
+    path = tiny_dir("llama")
+    stock = AutoModelForCausalLM.from_pretrained(path).eval()
+    backend = "torch" if draft_kind == "torch" else "auto"
+    target = _export(path, backend=backend)
+    draft = _twin(_export(path, backend=backend))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.zeros(1, padding, dtype=torch.long), torch.randint(3, 200, (1, 60), generator=generator)], 1)
+    mask = torch.cat([torch.zeros(1, padding, dtype=torch.long), torch.ones(1, 60, dtype=torch.long)], 1)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    calls, forward = [], draft.forward
+
+    def recorded(input_ids, *args, attention_mask=None, **kwargs):
+        calls.append((input_ids, attention_mask))
+        return forward(input_ids, *args, attention_mask=attention_mask, **kwargs)
+
+    draft.forward = recorded
+    got = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0,
+                          assistant_model=draft)
+    assert torch.equal(got, expected)
+    length = ids.shape[1] + 1  # the draft's first round comes after the target's prefill and first token
+    first_ids, first_mask = calls[0]
+    assert torch.equal(first_ids, expected[:, length - PROBE_CONTEXT:length])
+    if padding:
+        full_mask = torch.cat([mask, torch.ones(1, 1, dtype=torch.long)], 1)
+        assert torch.equal(first_mask, full_mask[:, -PROBE_CONTEXT:])
+    else:
+        assert first_mask is None
+    assert target.last_cost_model.full_context_round is not None
+    whole = [input_ids for input_ids, _ in calls if input_ids.shape[1] > PROBE_CONTEXT]
+    assert len(whole) == 1 and torch.equal(whole[0], expected[:, :whole[0].shape[1]])
+
+
 def test_prompt_across_ipex_preallocated_length(tiny_dir):
     """IPEX preallocates 2048 positions; a 2040-token prompt + 24 new tokens crosses that boundary."""
     stock, target, draft = _stock_and_pair(tiny_dir)

@@ -4,7 +4,7 @@ on simulated costs (a fake clock, no timing of real code), when it is on, and th
 import pytest
 import torch
 
-from optimum_ipex_spec.cost_model import CostModel, PositionAcceptance, speculate_by_cost
+from optimum_ipex_spec.cost_model import PROBE_CONTEXT, CostModel, PositionAcceptance, speculate_by_cost
 from optimum_ipex_spec.strategy import Strategy, uses_cost_model
 
 
@@ -171,6 +171,50 @@ def test_a_generator_without_a_length_attribute_is_cut():
     generator.update_candidate_strategy(candidates, torch.zeros(1, 1, 4), 0)
     candidates, _ = generator.get_candidates(torch.zeros(1, 4, dtype=torch.long))
     assert candidates.shape[1] == 4 + 2  # the draft's first round proposes k0 = 2, cut from 20
+
+
+class _Windowed(_Simulated):
+    """A simulated generator with a ``context_window`` (as ours): running the whole context once costs ``prefill``
+    seconds, on the call after the window was cleared."""
+
+    def __init__(self, clock, prefill, **kwargs):
+        super().__init__(clock, **kwargs)
+        self.prefill, self.context_window, self.restarts_context, self.windows = prefill, None, False, []
+
+    def __setattr__(self, name, value):
+        if name == "context_window" and value is None and getattr(self, "context_window", None) is not None:
+            self.restarts_context = True  # it held a window: the next call runs the whole context
+        super().__setattr__(name, value)
+
+    def get_candidates(self, ids):
+        self.windows.append(self.context_window)
+        if self.restarts_context:
+            self.clock.now += self.prefill
+            self.restarts_context = False
+        return super().get_candidates(ids)
+
+
+def test_a_draft_holds_a_window_until_drafting_pays_and_the_prefill_round_is_not_measured():
+    clock = _Clock()
+    generator = _Windowed(clock, prefill=1.0, draft=0.01, decode=0.05, verify_slope=0.004, accept=lambda i: True)
+    model = CostModel(max_tokens=8, plain_first=True)
+    speculate_by_cost(generator, model, clock=clock)
+    _run(generator, model, clock, rounds=30)
+    first_chosen = generator.windows.index(None)
+    # planned rounds (k0 twice) on the window; the first round the model chooses gets the whole context
+    assert generator.windows[:first_chosen] == [PROBE_CONTEXT] * 2 and set(generator.windows[first_chosen:]) == {None}
+    assert model.full_context_round == 3 and model.report()["full_context_round"] == 3
+    # the second-long prefill is in no measurement: every length is costed from ordinary rounds
+    assert max(max(times) for times in model.round_times.values()) < 0.2 and model.chosen[8] >= 20
+
+
+def test_a_draft_that_never_pays_keeps_its_window():
+    clock = _Clock()
+    generator = _Windowed(clock, prefill=1.0, draft=0.05, decode=0.05, verify_slope=0.005, accept=lambda i: False)
+    model = CostModel(max_tokens=8, plain_first=True)
+    speculate_by_cost(generator, model, clock=clock)
+    _run(generator, model, clock, rounds=200)
+    assert model.probes >= 2 and set(generator.windows) == {PROBE_CONTEXT} and model.full_context_round is None
 
 
 @pytest.mark.parametrize("strategy,has_draft,schedule,passed,on", [
