@@ -146,7 +146,7 @@ def render(result) -> str:
             for i, view in enumerate(row["cost_model_by_prompt"]):
                 if view is None:
                     continue
-                verify = ", ".join(f"{k}: {ms:.0f}" for k, ms in view["verify_ms_by_k"].items())
+                verify = ", ".join(f"{k}: {ms:.0f}" for k, ms in view["verify_ms_by_n"].items())
                 chosen = ", ".join(f"{k}: {n}" for k, n in view["chosen_k"].items())
                 decode = "-" if view["decode_ms"] is None else f"{view['decode_ms']:.1f}"
                 draft = "-" if view["draft_ms_per_token"] is None else f"{view['draft_ms_per_token']:.1f}"

@@ -11,19 +11,22 @@ traces, got stuck at short rounds (a round of ``k`` says nothing about position 
 (``benchmarks/acceptance_replay.py``, docs/assisted-generation.md). ``k`` is scaled by the measured share of
 proposals the target gets to verify (a draft of another tokenizer proposes ``k`` of its own tokens, which become
 some other number of target tokens; a draft may stop early).
-A round costs ``T(k)``: drafting ``k`` tokens, the target's forward over ``k + 1`` tokens and the loop's own work;
-``k = 0`` is one plain decode step, ``E(0) = 1``. Each round proposes the ``k`` in ``0..max_tokens`` that maximises
-``E(k) / T(k)``. Choosing the length from a model of acceptance is also what SpecDec++ and Dynamic Speculation
+A round that verifies ``n`` proposals costs ``T(n)``: drafting them, the target's forward over ``n + 1`` tokens and
+the loop's own work; ``n = 0`` is one plain decode step, ``E(0) = 1``. A round choosing ``k`` verifies ``n = s k``
+proposals on average (``s``, the verified share, below 1 when a draft stops early or, of another tokenizer, makes
+fewer target tokens). Each round proposes the ``k`` in ``0..max_tokens`` that maximises ``E(s k) / T(s k)``. Choosing the length from a model of acceptance is also what SpecDec++ and Dynamic Speculation
 Lookahead (Mamou et al. 2024, arXiv 2405.04304) do; here the costs are measured, so the model can also decide that
 drafting does not pay at all.
 
-Measured online (wall clock): ``T(k)``, the time from one round's start to the next round's start for rounds that
-chose ``k`` (the fastest of the last few per ``k``: interference only adds time; linear between measured
-lengths; until a plain step is measured, its cost is bounded by the fastest verification, which is a forward over
+Measured online (wall clock): ``T(n)``, the time from one round's start to the next round's start for rounds that
+verified ``n`` proposals (the fastest of the last few per ``n``: interference only adds time; linear between measured
+lengths; filed by ``n``, not by the ``k`` chosen, so that rounds whose draft stopped early do not price the rounds
+that drafted all ``k``: universal Gemma 3 + SmolLM2 chose ``k = 16`` on the cost of 1-token rounds and ran x0.74 on a
+news prompt; until a plain step is measured, its cost is bounded by the fastest verification, which is a forward over
 more tokens, and where the draft's lead is smaller than :data:`MEASURE_PLAIN_BELOW` under that bound one plain step
 is measured); acceptance, from decayed counts of the proposals reached and accepted, with a prior of 0.5 worth one
 round. For the report, the round is also split into the candidate generator's time (draft) and the rest
-(verification), per ``n``.
+(verification).
 
 Start: one round at ``k0 = 2`` (the draft's prefill), not measured, one plain decode step and ``k0`` again,
 measured. Generators that can start late (ours) start with the target's prefill alone (so the first token comes as
@@ -247,24 +250,33 @@ class CostModel:
         """Estimated acceptance of a round's first proposal."""
         return self.acceptance.probabilities(1)[0]
 
-    def round_s(self, k: int) -> Optional[float]:
-        """Estimated seconds of a round that verifies ``k`` proposals (``k = 0``: a plain decode step): the fastest
-        of the last :data:`WINDOW` rounds per length (interference from other work on the machine only adds
-        time, so one slow round must not price a length out), interpolated between lengths."""
+    def round_s(self, n: float) -> Optional[float]:
+        """Estimated seconds of a round in which the target verifies ``n`` proposals (``n = 0``: a plain decode
+        step; fractional between lengths): the fastest of the last :data:`WINDOW` rounds per number verified
+        (interference from other work on the machine only adds time, so one slow round must not price a length
+        out), interpolated between them. Rounds are filed by what they verified, not by the ``k`` chosen: a draft
+        that stops early (EOS, ``assistant_confidence_threshold``, a universal draft whose tokens make fewer target
+        tokens) does less work than ``k`` asked for, and the fastest of such rounds must not price rounds that do
+        all of it."""
         points = _fastest(self.round_times)
         if 0 not in points and self.verify_times:  # no plain round yet: a verification costs at least one
             points[0] = min(_fastest(self.verify_times).values())
-        return _interpolate(points, k)
+        return _interpolate(points, n)
+
+    def verified(self, k: int) -> float:
+        """Expected proposals the target verifies in a round choosing ``k``: ``k`` times the verified share."""
+        return k * self.verified_share if k else 0.0
 
     def tokens(self, k: int) -> float:
         """Expected tokens a round choosing ``k`` yields: ``E`` of the proposals the target gets to verify, ``k``
         times the verified share measured so far (a draft of another tokenizer turns ``k`` of its tokens into
         another number of target tokens; a draft may also stop early)."""
-        return self.acceptance.expected_tokens(k * self.verified_share) if k else 1.0
+        return self.acceptance.expected_tokens(self.verified(k)) if k else 1.0
 
     def rate(self, k: int) -> Optional[float]:
-        """Expected tokens per second of rounds proposing ``k`` tokens."""
-        seconds = self.round_s(k)
+        """Expected tokens per second of rounds choosing ``k``: :meth:`tokens` over :meth:`round_s` at the same
+        expected number verified."""
+        seconds = self.round_s(self.verified(k))
         if seconds is None:
             return None
         return self.tokens(k) / max(seconds, 1e-9)  # a clock too coarse to see a round: count it as 1 ns
@@ -276,7 +288,9 @@ class CostModel:
             return 0
         best, best_rate = 0, self.rate(0)
         longest = max(self.round_times)  # extrapolate at most to twice the longest measured round
-        for k in range(1, min(self.max_tokens, max(2, 2 * longest)) + 1):
+        for k in range(1, self.max_tokens + 1):
+            if k > 2 and self.verified(k) > 2 * longest:
+                break
             rate = self.rate(k)
             if rate is not None and rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
@@ -349,22 +363,29 @@ class CostModel:
         if not self._plan and self._off_left == 0:
             self._plan.append(self.first_tokens)
 
-    def observe_time(self, k: int, round_s: float, draft_s: float, probe: bool = False, accepted: int = 0) -> None:
-        """A measured round that chose ``k``: ``round_s`` seconds from its start to the next round's, ``draft_s`` of
-        them in the candidate generator. A probe's time goes to the probe overhead only (it includes the draft's
-        catch-up)."""
+    def observe_time(self, k: int, round_s: float, draft_s: float, probe: bool = False, accepted: int = 0,
+                     verified: Optional[int] = None) -> None:
+        """A measured round that chose ``k`` and in which the target verified ``verified`` proposals (None: ``k``):
+        ``round_s`` seconds from its start to the next round's, ``draft_s`` of them in the candidate generator. It
+        is filed under ``verified`` (:meth:`round_s`); a drafting round that verified nothing is not filed (it is
+        neither a plain step nor a measure of any length; the verified share already counts it). A probe's time
+        goes to the probe overhead only (it includes the draft's catch-up)."""
         if probe:
             decode = self.round_s(0)
             if decode is not None:
                 self.probe_overhead_s = max(0.0, round_s - decode * (accepted + 1))
             return
+        n = k if verified is None else verified
+        if k > 0 and n == 0:
+            return
         for table, value in ((self.round_times, round_s), (self.draft_times, draft_s),
                              (self.verify_times, round_s - draft_s)):
-            table.setdefault(k, deque(maxlen=WINDOW)).append(value)
+            table.setdefault(n, deque(maxlen=WINDOW)).append(value)
 
     def report(self) -> dict:
-        """The model's view (milliseconds): round, draft and verification time by chosen length, the draft's
-        time per token, the acceptance estimate, the chosen lengths and the rounds spent without drafting."""
+        """The model's view (milliseconds): round, draft and verification time by proposals verified (``n``), the
+        draft's time per verified proposal, the acceptance estimate, the chosen lengths (``chosen_k``) and the
+        rounds spent without drafting."""
         draft = _medians(self.draft_times)
         per_token = [draft[n] / n for n in draft if n > 0]
         return {
@@ -373,8 +394,8 @@ class CostModel:
             "verified_share": round(self.verified_share, 3),
             "decode_ms": None if 0 not in self.round_times else round(1e3 * self.round_s(0), 2),
             "draft_ms_per_token": round(1e3 * statistics.median(per_token), 2) if per_token else None,
-            "round_ms_by_k": {k: round(1e3 * s, 2) for k, s in sorted(_medians(self.round_times).items())},
-            "verify_ms_by_k": {k: round(1e3 * s, 2) for k, s in sorted(_medians(self.verify_times).items())},
+            "round_ms_by_n": {n: round(1e3 * s, 2) for n, s in sorted(_medians(self.round_times).items())},
+            "verify_ms_by_n": {n: round(1e3 * s, 2) for n, s in sorted(_medians(self.verify_times).items())},
             "chosen_k": dict(sorted(self.chosen.items())),
             "rounds": self.rounds,
             "rounds_off": self.rounds_off,
@@ -426,7 +447,7 @@ def speculate_by_cost(generator, model: CostModel, clock: Callable[[], float] = 
         start = clock()
         if previous and not previous["warmup"] and previous.get("verified"):
             model.observe_time(previous["k"], start - previous["start"], previous["draft_s"],
-                               probe=previous["probe"], accepted=previous["accepted"])
+                               probe=previous["probe"], accepted=previous["accepted"], verified=previous["n"])
         probe = model.probe_due()
         k = model.next_k()
         if windowed and k > 0 and model.drafting_chosen and generator.context_window is not None:
@@ -454,7 +475,7 @@ def speculate_by_cost(generator, model: CostModel, clock: Callable[[], float] = 
             raise RuntimeError("update_candidate_strategy() was called before get_candidates(): a round is proposed, "
                                "then verified")
         verified = scores.shape[1] - 1 if scores is not None else 0
-        previous.update(verified=True, accepted=int(num_matches))
+        previous.update(verified=True, accepted=int(num_matches), n=verified)
         model.observe(verified, int(num_matches), k=previous["k"])
         if previous["probe"] and num_matches > 0:
             model.probe_accepted()

@@ -173,6 +173,42 @@ def test_a_generator_without_a_length_attribute_is_cut():
     assert candidates.shape[1] == 4 + 2  # the draft's first round proposes k0 = 2, cut from 20
 
 
+class _StopsEarly(_Simulated):
+    """Every other round the draft stops after one proposal (as at ``assistant_confidence_threshold``): cheap rounds
+    that did a fraction of the work the chosen ``k`` asks for."""
+
+    def get_candidates(self, ids):
+        if self.calls % 2 == 0:
+            self.calls += 1
+            self.clock.now += self.draft
+            return torch.cat([ids, torch.zeros(1, 1, dtype=torch.long)], dim=1), None
+        return super().get_candidates(ids)
+
+
+def test_rounds_are_costed_by_what_they_verified_not_by_the_k_chosen():
+    """Only each round's first proposal is accepted, and every other round the draft stops after it. The best is
+    k = 1 (2 tokens per 0.072 s, 27.8 tokens/s against 20 plain); a long k adds rejected draft tokens (k = 8: 2
+    tokens per 0.226 s). Filed by the k chosen, the cheap stopped rounds priced long rounds at 0.072 s and the model
+    chose them: 19.1 tokens/s, slower than plain decoding. Filed by what they verified: 22.7 (one rate for every
+    position overrates the second proposal, so k = 2 wins over k = 1)."""
+    clock = _Clock()
+    generator = _StopsEarly(clock, draft=0.02, decode=0.05, verify_slope=0.002, accept=lambda i: False)
+    model = CostModel(max_tokens=8)
+    speculate_by_cost(generator, model, clock=clock)
+    tokens = 0
+    ids = torch.zeros(1, 10, dtype=torch.long)
+    for _ in range(200):  # _run's loop, with the first proposal of every round accepted
+        candidates, _ = generator.get_candidates(ids)
+        k = candidates.shape[1] - ids.shape[1]
+        clock.now += generator.decode + (generator.verify_slope * k if k else 0.0)
+        accepted = 1 if k else 0
+        generator.update_candidate_strategy(candidates, torch.zeros(1, k + 1, 4), accepted)
+        tokens += accepted + 1
+        ids = torch.zeros(1, 10 + tokens, dtype=torch.long)
+    assert tokens / clock.now >= 1.08 / 0.05
+    assert sum(n for k, n in model.chosen.items() if k <= 4) >= 180
+
+
 class _Windowed(_Simulated):
     """A simulated generator with a ``context_window`` (as ours): running the whole context once costs ``prefill``
     seconds, on the call after the window was cleared."""
@@ -194,12 +230,18 @@ class _Windowed(_Simulated):
         return super().get_candidates(ids)
 
 
-def test_a_draft_holds_a_window_until_drafting_pays_and_the_prefill_round_is_not_measured():
+def _windowed_run(rounds, **costs):
+    """A :class:`_Windowed` generator (a 1 s prefill) under the cost model for ``rounds`` rounds."""
     clock = _Clock()
-    generator = _Windowed(clock, prefill=1.0, draft=0.01, decode=0.05, verify_slope=0.004, accept=lambda i: True)
+    generator = _Windowed(clock, prefill=1.0, decode=0.05, **costs)
     model = CostModel(max_tokens=8, plain_first=True)
     speculate_by_cost(generator, model, clock=clock)
-    _run(generator, model, clock, rounds=30)
+    _run(generator, model, clock, rounds=rounds)
+    return generator, model
+
+
+def test_a_draft_holds_a_window_until_drafting_pays_and_the_prefill_round_is_not_measured():
+    generator, model = _windowed_run(30, draft=0.01, verify_slope=0.004, accept=lambda i: True)
     first_chosen = generator.windows.index(None)
     # planned rounds (k0 twice) on the window; the first round the model chooses gets the whole context
     assert generator.windows[:first_chosen] == [PROBE_CONTEXT] * 2 and set(generator.windows[first_chosen:]) == {None}
@@ -209,11 +251,7 @@ def test_a_draft_holds_a_window_until_drafting_pays_and_the_prefill_round_is_not
 
 
 def test_a_draft_that_never_pays_keeps_its_window():
-    clock = _Clock()
-    generator = _Windowed(clock, prefill=1.0, draft=0.05, decode=0.05, verify_slope=0.005, accept=lambda i: False)
-    model = CostModel(max_tokens=8, plain_first=True)
-    speculate_by_cost(generator, model, clock=clock)
-    _run(generator, model, clock, rounds=200)
+    generator, model = _windowed_run(200, draft=0.05, verify_slope=0.005, accept=lambda i: False)
     assert model.probes >= 2 and set(generator.windows) == {PROBE_CONTEXT} and model.full_context_round is None
 
 
