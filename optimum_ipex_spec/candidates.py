@@ -157,6 +157,12 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
         return torch.cat([input_ids] + new_tokens, dim=-1), None
 
     @property
+    def shares_target_cache(self) -> bool:
+        """True when the draft copies the target's rows instead of computing its own cache (it then always holds the
+        whole context: the copy costs little)."""
+        return self._target_cache is not None
+
+    @property
     def restarts_context(self) -> bool:
         """True when the next call runs the whole context from its first token: the draft holds a window and
         ``context_window`` was cleared."""
@@ -166,7 +172,7 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
         """Where the draft's cache should start for a context of ``length`` tokens: 0 for the whole context (no
         window, or a draft that copies the target's rows), else the last ``context_window`` tokens' start when the
         draft lacks more than that many, else where it starts now."""
-        if self.context_window is None or self._target_cache is not None:
+        if self.context_window is None or self.shares_target_cache:
             return 0
         held = self._start + (self._cache.get_seq_length() if self._cache is not None else 0)
         if self._cache is not None and length - held <= self.context_window:

@@ -14,8 +14,8 @@ some other number of target tokens; a draft may stop early).
 A round that verifies ``n`` proposals costs ``T(n)``: drafting them, the target's forward over ``n + 1`` tokens and
 the loop's own work; ``n = 0`` is one plain decode step, ``E(0) = 1``. A round choosing ``k`` verifies ``n = s k``
 proposals on average (``s``, the verified share, below 1 when a draft stops early or, of another tokenizer, makes
-fewer target tokens). Each round proposes the ``k`` in ``0..max_tokens`` that maximises ``E(s k) / T(s k)``. Choosing the length from a model of acceptance is also what SpecDec++ and Dynamic Speculation
-Lookahead (Mamou et al. 2024, arXiv 2405.04304) do; here the costs are measured, so the model can also decide that
+fewer target tokens). Each round proposes the ``k`` in ``0..max_tokens`` that maximises ``E(s k) / T(s k)``.
+Choosing the length from a model of acceptance is also what SpecDec++ and Dynamic Speculation Lookahead (Mamou et al. 2024, arXiv 2405.04304) do; here the costs are measured, so the model can also decide that
 drafting does not pay at all.
 
 Measured online (wall clock): ``T(n)``, the time from one round's start to the next round's start for rounds that
@@ -35,7 +35,7 @@ soon as without a draft), then ``k0`` twice (the first carries the draft's prefi
 :data:`PROBE_CONTEXT` tokens of the context until the model first chooses to draft (then the whole context, once):
 a draft that never pays costs no prompt prefill. From then on every round is chosen; a
 length not measured yet is costed on the line through the measured ones (round time grows about linearly with
-``k``: draft steps plus a slowly growing verification; beyond the longest measured length optimistically,
+``n``: draft steps plus a slowly growing verification; beyond the longest measured length optimistically,
 :data:`OPTIMISM`), and measured once chosen; every :data:`EXPLORE_EVERY` drafting rounds one round re-measures a
 neighbouring length. While the best ``k`` is 0 the draft idles for 8 plain rounds, then 16, 32, ... and is probed
 again with ``k = 1`` (the probe's cost includes the draft's catch-up); the doubling stops where a probe costs
@@ -148,7 +148,7 @@ class PositionAcceptance:
 OPTIMISM = 0.75
 
 
-def _interpolate(points: Dict[int, float], x: int) -> Optional[float]:
+def _interpolate(points: Dict[int, float], x: float) -> Optional[float]:
     """Piecewise-linear through ``{x: y}``; below the first point with the first slope, beyond the last with
     :data:`OPTIMISM` times the last slope; flat with one point."""
     if not points:
@@ -367,9 +367,11 @@ class CostModel:
                      verified: Optional[int] = None) -> None:
         """A measured round that chose ``k`` and in which the target verified ``verified`` proposals (None: ``k``):
         ``round_s`` seconds from its start to the next round's, ``draft_s`` of them in the candidate generator. It
-        is filed under ``verified`` (:meth:`round_s`); a drafting round that verified nothing is not filed (it is
-        neither a plain step nor a measure of any length; the verified share already counts it). A probe's time
-        goes to the probe overhead only (it includes the draft's catch-up)."""
+        is filed under ``verified`` (:meth:`round_s`). A drafting round that verified nothing is not filed: it is
+        neither a plain step nor a measure of any length. The verified share counts it, lowering the tokens expected
+        of a length, but its drafting time is charged nowhere (a known gap: a draft that often yields nothing, e.g. a
+        universal draft whose tokens make no new target tokens, is priced too cheaply). A probe's time goes to the
+        probe overhead only (it includes the draft's catch-up)."""
         if probe:
             decode = self.round_s(0)
             if decode is not None:
@@ -439,7 +441,7 @@ def speculate_by_cost(generator, model: CostModel, clock: Callable[[], float] = 
     inner_get, inner_update = generator.get_candidates, generator.update_candidate_strategy
     previous = {}  # the last round: start, chosen k, draft seconds, accepted, probe, warm-up, verified
     drafted = []  # whether the generator was called yet (its first call carries the draft's prefill)
-    windowed = hasattr(generator, "context_window")
+    windowed = hasattr(generator, "context_window") and not getattr(generator, "shares_target_cache", False)
     if windowed:
         generator.context_window = PROBE_CONTEXT
 

@@ -116,6 +116,25 @@ def test_self_draft_sharing_the_target_cache_is_lossless(arch, backend, draft_ki
     draft.share_target_kv = True
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sharing_draft_holds_the_whole_context_from_the_start(backend, tiny_dir, monkeypatch):
+    """The cost model's context window is for drafts that compute their own cache: a sharing draft copies the
+    whole prompt on its first round (no window, nothing to restart when the model chooses to draft, which is forced
+    here). Output is stock greedy's."""
+    from optimum_ipex_spec.cost_model import PROBE_CONTEXT, CostModel
+
+    monkeypatch.setattr(CostModel, "best_k", lambda self: 4)
+    path = tiny_dir("llama")
+    stock = AutoModelForCausalLM.from_pretrained(path).eval()
+    target, drafts = _drafts(path, backend)
+    draft = drafts["bf16"]
+    ids = torch.randint(3, 200, (1, 2 * PROBE_CONTEXT), generator=torch.Generator().manual_seed(0))
+    got = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    assert torch.equal(got, stock.generate(ids, max_new_tokens=24, do_sample=False))
+    assert draft.last_speculation_stats.shared_rows >= ids.shape[1]
+    assert target.last_cost_model.full_context_round is None and target.last_cost_model.drafting_chosen
+
+
 def test_only_a_draft_of_the_targets_checkpoint_with_its_geometry_shares(tiny_dir, tmp_path):
     path = tiny_dir("llama")
     target = _export(path, torch.float32, "torch")
