@@ -133,7 +133,7 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
         if self._cache is not None:
             self._cache.crop(min(self._cache.get_seq_length(), input_ids.shape[1] - 1 - self._start))
         start = self._window_start(input_ids.shape[1])
-        if self._cache is None or self.restarts_context or start > self._start:
+        if self._cache is None or start != self._start:  # a window moved on, or the whole context wanted again
             self._cache, self._start = draft.new_cache(input_ids.shape[0]), start
         if self._target_cache is not None:
             self._share_target_rows(input_ids)

@@ -15,8 +15,9 @@ A round that verifies ``n`` proposals costs ``T(n)``: drafting them, the target'
 the loop's own work; ``n = 0`` is one plain decode step, ``E(0) = 1``. A round choosing ``k`` verifies ``n = s k``
 proposals on average (``s``, the verified share, below 1 when a draft stops early or, of another tokenizer, makes
 fewer target tokens). Each round proposes the ``k`` in ``0..max_tokens`` that maximises ``E(s k) / T(s k)``.
-Choosing the length from a model of acceptance is also what SpecDec++ and Dynamic Speculation Lookahead (Mamou et al. 2024, arXiv 2405.04304) do; here the costs are measured, so the model can also decide that
-drafting does not pay at all.
+Choosing the length from a model of acceptance is also what SpecDec++ and Dynamic Speculation Lookahead (Mamou et
+al. 2024, arXiv 2405.04304) do; here the costs are measured, so the model can also decide that drafting does not pay
+at all.
 
 Measured online (wall clock): ``T(n)``, the time from one round's start to the next round's start for rounds that
 verified ``n`` proposals (the fastest of the last few per ``n``: interference only adds time; linear between measured
