@@ -135,17 +135,18 @@ def main(argv=None) -> int:
         f"{platform.processor() or platform.machine()}, torch {torch.__version__}. `constant`: transformers' "
         "constant schedule at the draft's `num_assistant_tokens` (8 for the self-draft, 20 for SmolLM2 as a "
         "universal draft). The cost model's view is that of the last cost run: chosen lengths `k: rounds`, plain "
-        "rounds, probes, and its measurements in ms.",
+        "rounds, probes, its measurements in ms, and its decayed share of drafting rounds that yielded nothing to "
+        "verify (empty rounds).",
         "",
         "| pair | prompt | target alone tok/s | cost model | constant | chosen k | rounds off / probes | "
-        "decode ms | draft ms/token | acceptance |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "decode ms | draft ms/token | acceptance | empty rounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         view = row["cost_model"]
         lines.append(f"| {row['pair']} | {row['prompt']} | {row['alone_tok_s']} | x{row['cost']} | x{row['constant']} | "
                      f"{view['chosen_k']} | {view['rounds_off']} / {view['probes']} | {view['decode_ms']} | "
-                     f"{view['draft_ms_per_token']} | {view['alpha']} |")
+                     f"{view['draft_ms_per_token']} | {view['alpha']} | {view.get('empty_share', '')} |")
     failures = useless_draft_failures(rows)
     lines += ["", "Check, the useless draft (random weights): within 10% of the target alone and most rounds without "
               "the draft: " + ("**failed**: " + "; ".join(failures) if failures else "passed") + "."]

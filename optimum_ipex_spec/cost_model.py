@@ -12,9 +12,13 @@ traces, got stuck at short rounds (a round of ``k`` says nothing about position 
 proposals the target gets to verify (a draft of another tokenizer proposes ``k`` of its own tokens, which become
 some other number of target tokens; a draft may stop early).
 A round that verifies ``n`` proposals costs ``T(n)``: drafting them, the target's forward over ``n + 1`` tokens and
-the loop's own work; ``n = 0`` is one plain decode step, ``E(0) = 1``. A round choosing ``k`` verifies ``n = s k``
-proposals on average (``s``, the verified share, below 1 when a draft stops early or, of another tokenizer, makes
-fewer target tokens). Each round proposes the ``k`` in ``0..max_tokens`` that maximises ``E(s k) / T(s k)``.
+the loop's own work; ``n = 0`` is one plain decode step, ``E(0) = 1``. A drafting round may also yield nothing to
+verify (prompt lookup without a match; a universal draft whose tokens make no new target token): it yields the
+target's one token and costs ``Z(k)``, its drafting time and a plain step, measured by the ``k`` chosen. A round
+choosing ``k`` is such an empty round with probability ``z`` (the empty share) and otherwise verifies ``n = s k``
+proposals on average (``s``, the verified share of non-empty rounds, below 1 when a draft stops early or, of another
+tokenizer, makes fewer target tokens). Each round proposes the ``k`` in ``0..max_tokens`` that maximises
+``(z + (1 - z) E(s k)) / (z Z(k) + (1 - z) T(s k))``; with ``z = 0``, ``E(s k) / T(s k)``.
 Choosing the length from a model of acceptance is also what SpecDec++ and Dynamic Speculation Lookahead (Mamou et
 al. 2024, arXiv 2405.04304) do; here the costs are measured, so the model can also decide that drafting does not pay
 at all.
@@ -192,7 +196,8 @@ class CostModel:
             1 = one rate for every position, the geometric model).
 
     Attributes: ``alpha`` (the first proposal's acceptance estimate); ``acceptance`` (a
-    :class:`PositionAcceptance`); ``chosen`` (a Counter of the ``k`` of every round); ``rounds``; ``rounds_off`` (plain
+    :class:`PositionAcceptance`); ``empty_share`` (decayed share of drafting rounds that yielded nothing to verify);
+    ``verified_share`` (decayed share of ``k`` verified in the other drafting rounds); ``chosen`` (a Counter of the ``k`` of every round); ``rounds``; ``rounds_off`` (plain
     rounds chosen); ``probes``; :meth:`report` gives the measurements in milliseconds.
     """
 
@@ -211,7 +216,9 @@ class CostModel:
     probes: int = 0
     probe_overhead_s: Optional[float] = None
     verified_share: float = 1.0
+    empty_share: float = 0.0
     round_times: Dict[int, Deque[float]] = field(default_factory=dict)
+    empty_round_times: Dict[int, Deque[float]] = field(default_factory=dict)
     draft_times: Dict[int, Deque[float]] = field(default_factory=dict)
     verify_times: Dict[int, Deque[float]] = field(default_factory=dict)
     _plan: List[int] = field(default_factory=list)
@@ -264,20 +271,41 @@ class CostModel:
             points[0] = min(_fastest(self.verify_times).values())
         return _interpolate(points, n)
 
+    def empty_round_s(self, k: int) -> Optional[float]:
+        """Estimated seconds of a round choosing ``k`` whose draft yields nothing to verify (its drafting time and a
+        plain step): the fastest of the last :data:`WINDOW` such rounds per ``k``, interpolated between the ``k``
+        measured; with none measured, a plain step (the least such a round can cost)."""
+        measured = _interpolate(_fastest(self.empty_round_times), k)
+        return self.round_s(0) if measured is None else measured
+
     def verified(self, k: int) -> float:
-        """Expected proposals the target verifies in a round choosing ``k``: ``k`` times the verified share."""
+        """Expected proposals the target verifies in a non-empty round choosing ``k``: ``k`` times the verified
+        share."""
         return k * self.verified_share if k else 0.0
 
     def tokens(self, k: int) -> float:
-        """Expected tokens a round choosing ``k`` yields: ``E`` of the proposals the target gets to verify, ``k``
-        times the verified share measured so far (a draft of another tokenizer turns ``k`` of its tokens into
-        another number of target tokens; a draft may also stop early)."""
-        return self.acceptance.expected_tokens(self.verified(k)) if k else 1.0
+        """Expected tokens a round choosing ``k`` yields: one in an empty round (share ``empty_share``), otherwise
+        ``E`` of the proposals the target gets to verify, ``k`` times the verified share measured so far (a draft of
+        another tokenizer turns ``k`` of its tokens into another number of target tokens; a draft may also stop
+        early)."""
+        if not k:
+            return 1.0
+        z = self.empty_share
+        return z + (1 - z) * self.acceptance.expected_tokens(self.verified(k))
+
+    def seconds(self, k: int) -> Optional[float]:
+        """Expected seconds of a round choosing ``k``: :meth:`empty_round_s` with the empty share's weight,
+        :meth:`round_s` at the expected number verified otherwise."""
+        full = self.round_s(self.verified(k))
+        z = self.empty_share if k else 0.0
+        if full is None or not z:
+            return full
+        empty = self.empty_round_s(k)
+        return full if empty is None else z * empty + (1 - z) * full
 
     def rate(self, k: int) -> Optional[float]:
-        """Expected tokens per second of rounds choosing ``k``: :meth:`tokens` over :meth:`round_s` at the same
-        expected number verified."""
-        seconds = self.round_s(self.verified(k))
+        """Expected tokens per second of rounds choosing ``k``: :meth:`tokens` over :meth:`seconds`."""
+        seconds = self.seconds(k)
         if seconds is None:
             return None
         return self.tokens(k) / max(seconds, 1e-9)  # a clock too coarse to see a round: count it as 1 ns
@@ -354,6 +382,8 @@ class CostModel:
         """A round that chose ``k`` verified ``verified`` proposals and the target accepted ``accepted`` of them."""
         self.rounds += 1
         if k:
+            self.empty_share = self.decay * self.empty_share + (1 - self.decay) * (verified == 0)
+        if k and verified > 0:
             self.verified_share = self.decay * self.verified_share + (1 - self.decay) * min(1.0, verified / k)
         if verified > 0:
             self.acceptance.observe(verified, accepted)
@@ -368,11 +398,9 @@ class CostModel:
                      verified: Optional[int] = None) -> None:
         """A measured round that chose ``k`` and in which the target verified ``verified`` proposals (None: ``k``):
         ``round_s`` seconds from its start to the next round's, ``draft_s`` of them in the candidate generator. It
-        is filed under ``verified`` (:meth:`round_s`). A drafting round that verified nothing is not filed: it is
-        neither a plain step nor a measure of any length. The verified share counts it, lowering the tokens expected
-        of a length, but its drafting time is charged nowhere (a known gap: a draft that often yields nothing, e.g. a
-        universal draft whose tokens make no new target tokens, is priced too cheaply). A probe's time goes to the
-        probe overhead only (it includes the draft's catch-up)."""
+        is filed under ``verified`` (:meth:`round_s`); a drafting round that verified nothing, under the ``k`` chosen
+        among the empty rounds (:meth:`empty_round_s`: its drafting time depends on what was asked, not on what
+        came of it). A probe's time goes to the probe overhead only (it includes the draft's catch-up)."""
         if probe:
             decode = self.round_s(0)
             if decode is not None:
@@ -380,6 +408,7 @@ class CostModel:
             return
         n = k if verified is None else verified
         if k > 0 and n == 0:
+            self.empty_round_times.setdefault(k, deque(maxlen=WINDOW)).append(round_s)
             return
         for table, value in ((self.round_times, round_s), (self.draft_times, draft_s),
                              (self.verify_times, round_s - draft_s)):
@@ -387,18 +416,21 @@ class CostModel:
 
     def report(self) -> dict:
         """The model's view (milliseconds): round, draft and verification time by proposals verified (``n``), the
-        draft's time per verified proposal, the acceptance estimate, the chosen lengths (``chosen_k``) and the
-        rounds spent without drafting."""
+        time of rounds that yielded nothing to verify by the ``k`` chosen, the draft's time per verified proposal,
+        the acceptance estimate, the verified and empty shares, the chosen lengths (``chosen_k``) and the rounds
+        spent without drafting."""
         draft = _medians(self.draft_times)
         per_token = [draft[n] / n for n in draft if n > 0]
         return {
             "alpha": round(self.alpha, 3),
             "acceptance_by_position": [round(p, 3) for p in self.acceptance.probabilities(self.max_tokens)],
             "verified_share": round(self.verified_share, 3),
+            "empty_share": round(self.empty_share, 3),
             "decode_ms": None if 0 not in self.round_times else round(1e3 * self.round_s(0), 2),
             "draft_ms_per_token": round(1e3 * statistics.median(per_token), 2) if per_token else None,
             "round_ms_by_n": {n: round(1e3 * s, 2) for n, s in sorted(_medians(self.round_times).items())},
             "verify_ms_by_n": {n: round(1e3 * s, 2) for n, s in sorted(_medians(self.verify_times).items())},
+            "empty_round_ms_by_k": {k: round(1e3 * s, 2) for k, s in sorted(_medians(self.empty_round_times).items())},
             "chosen_k": dict(sorted(self.chosen.items())),
             "rounds": self.rounds,
             "rounds_off": self.rounds_off,

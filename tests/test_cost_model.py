@@ -209,6 +209,50 @@ def test_rounds_are_costed_by_what_they_verified_not_by_the_k_chosen():
     assert sum(n for k, n in model.chosen.items() if k <= 4) >= 180
 
 
+class _OftenEmpty(_Simulated):
+    """A draft that spends its drafting time every round but, on all rounds but every ``every``-th, yields nothing to
+    verify (a universal draft whose tokens make no new target token): the input comes back unchanged."""
+
+    def __init__(self, clock, every, **kwargs):
+        super().__init__(clock, **kwargs)
+        self.every = every
+
+    def get_candidates(self, ids):
+        if self.calls % self.every:
+            self.calls += 1
+            self.clock.now += self.draft * int(self.num_assistant_tokens)
+            return ids, None
+        return super().get_candidates(ids)
+
+
+def test_a_draft_that_often_yields_nothing_is_charged_for_it():
+    """4 rounds in 5 draft for nothing; the fifth has all its proposals accepted. Every k loses to plain decoding
+    (k = 8: 2.6 tokens per 0.293 s, 8.9 tokens/s against 20). Until 2026-12-03 an empty round was filed nowhere and
+    only lowered the verified share: the model rated k = 8 at 2.6 tokens per 0.10 s and drafted on (x0.5 of plain
+    decoding in this simulation). Charged at its own cost, the empty rounds turn the draft off."""
+    clock = _Clock()
+    generator = _OftenEmpty(clock, every=5, draft=0.03, decode=0.05, verify_slope=0.002, accept=lambda i: True)
+    model = CostModel(max_tokens=8)
+    speculate_by_cost(generator, model, clock=clock)
+    tokens = _run(generator, model, clock, rounds=300)
+    assert tokens * 0.05 / clock.now >= 0.9
+    report = model.report()
+    assert report["empty_share"] > 0.3 and report["empty_round_ms_by_k"]
+    assert min(report["empty_round_ms_by_k"].values()) >= 50.0 + 30.0  # a plain step and at least one draft token
+
+
+def test_cheap_empty_rounds_do_not_turn_a_good_draft_off():
+    """Prompt lookup without a match costs next to nothing: every other round is empty, the others have all 8
+    proposals accepted (k = 8: 5 tokens per 0.066 s, 76 tokens/s against 20). The draft stays on at long rounds."""
+    clock = _Clock()
+    generator = _OftenEmpty(clock, every=2, draft=0.0005, decode=0.05, verify_slope=0.002, accept=lambda i: True)
+    model = CostModel(max_tokens=8)
+    speculate_by_cost(generator, model, clock=clock)
+    tokens = _run(generator, model, clock, rounds=100)
+    assert model.chosen[8] >= 60 and model.rounds_off <= 2
+    assert tokens * 0.05 / clock.now >= 3.0
+
+
 class _Windowed(_Simulated):
     """A simulated generator with a ``context_window`` (as ours): running the whole context once costs ``prefill``
     seconds, on the call after the window was cleared."""

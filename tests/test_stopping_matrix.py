@@ -1,7 +1,8 @@
 """Every stopping rule x every candidate source x both backends: greedy fp32 output is the target's alone.
 
 Stopping rules: ``max_new_tokens``, ``max_length``, ``min_new_tokens``, EOS (int and list), ``stop_strings``, a user
-``StoppingCriteria``, ``max_time``. Candidate sources: an IPEXModelForCausalLM draft, a transformers draft,
+``StoppingCriteria``, ``max_time``. Candidate sources: an IPEXModelForCausalLM draft (constant schedule, and the cost
+model, whose draft holds a window of the prompt on its first rounds), a transformers draft,
 ``self_draft()``, prompt lookup, universal assisted generation (a draft of another tokenizer) and a user
 ``candidate_generator``. The stopping points are chosen from the target's own greedy tokens so that they fall
 inside a draft block (the drafts over the target's weights propose exactly the target's tokens). Expected values
@@ -17,11 +18,12 @@ from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteri
 
 from conftest import build_tiny
 from optimum_ipex_spec import IPEXModelForCausalLM
+from optimum_ipex_spec.cost_model import PROBE_CONTEXT
 from optimum_ipex_spec.utils.import_utils import ipex_status
 from test_universal import draft_tokenizer  # noqa: F401  (fixture: a real, different BPE tokenizer)
 
 TEXT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
-SOURCES = ["ipex-draft", "hf-draft", "self-draft", "prompt-lookup", "universal", "user-generator"]
+SOURCES = ["ipex-draft", "ipex-draft-cost", "hf-draft", "self-draft", "prompt-lookup", "universal", "user-generator"]
 BACKENDS = ["auto", "torch"]
 
 
@@ -58,6 +60,7 @@ def setup(tiny_dir, tokenizer):
     # the prompt holds the model's own continuation once, so that prompt lookup proposes (accepted) tokens too
     cont = stock.generate(base, attention_mask=torch.ones_like(base), max_new_tokens=12, do_sample=False)
     ids = torch.cat([cont, base], dim=1)
+    assert ids.shape[1] > PROBE_CONTEXT  # so that a draft under the cost model starts on a window of the prompt
     plain = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
     return {"path": path, "stock": stock, "ids": ids, "plain": plain, "targets": {}, "drafts": {}}
@@ -74,10 +77,13 @@ def _target(setup, backend):
 def _source_kwargs(source, setup, target, backend, tokenizer, draft_tokenizer):  # noqa: F811
     """generate() keywords that select ``source`` (drafts propose 4 tokens a round, whatever their confidence)."""
     drafts = setup["drafts"]
-    if source == "ipex-draft":  # another IPEXModelForCausalLM over the target's graphs: proposes its tokens
+    if source in ("ipex-draft", "ipex-draft-cost"):  # another IPEXModelForCausalLM over the target's graphs
         draft = IPEXModelForCausalLM(target.model, target.config, backend=target.backend, dtype=target.dtype,
                                      generation_config=copy.deepcopy(target.generation_config),
                                      verify_model=target.verify_model, warmup=False)
+        if source == "ipex-draft-cost":  # the cost model: the draft's cache holds a window of the (longer) prompt
+            # on its first rounds, then restarts on the whole context
+            return {"assistant_model": draft, "num_assistant_tokens": 4, "num_assistant_tokens_schedule": "cost"}
         return {"assistant_model": draft, "num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant",
                 "assistant_confidence_threshold": 0.0}
     if source == "hf-draft":
