@@ -365,9 +365,9 @@ def render_markdown(result, plots=None) -> str:
         f"prompts (HumanEval code completions and chatterbot-corpus questions), {result['rounds']} rounds, stock and "
         "ours interleaved in one process; medians.",
         "",
-        f"Measured read bandwidth: {env['bandwidth_gbs']:.1f} GB/s"
-        + (f"; one-token roofline (weights bytes / bandwidth): "
-           + ", ".join(f"{r['dtype']} {env['bandwidth_gbs'] * 1e9 / r['weight_bytes']:.1f} tok/s"
+        f"Measured read bandwidth: {_decode_bandwidth(env):.1f} GB/s"
+        + (f" (with the decode section); one-token roofline (weights bytes / bandwidth): "
+           + ", ".join(f"{r['dtype']} {_decode_bandwidth(env) * 1e9 / r['weight_bytes']:.1f} tok/s"
                        for r in result["runs"]) if result.get("runs") else "") + ".",
     ]
     lines += image_lines(plots, "throughput", "Tokens/s per configuration: stock transformers, ours, ours with "
@@ -376,6 +376,26 @@ def render_markdown(result, plots=None) -> str:
         lines += _decode_tables(result, env)
     lines += _speculation_tables(result, plots)
     return "\n".join(lines)
+
+
+def merge_previous(result: dict, previous: dict) -> dict:
+    """Fill the sections ``result`` did not measure from ``previous`` (an earlier run's JSON), each with the command
+    and date that measured it; a decode section taken over keeps the read bandwidth measured with it (its
+    roofline). Returns ``result``."""
+    for key in _SECTION_KEYS:
+        if not result.get(key) and previous.get(key):
+            result[key] = previous[key]
+            result["sections"][key] = previous.get("sections", {}).get(key) or {
+                "command": _own_command(previous), "date": previous.get("date")}
+            if key == "runs":
+                result["environment"]["decode_bandwidth_gbs"] = _decode_bandwidth(previous["environment"])
+    return result
+
+
+def _decode_bandwidth(env) -> float:
+    """The read bandwidth measured in the run that measured the decode section (the roofline's denominator): a
+    later run of another section measures its own, which must not re-price the decode table."""
+    return env.get("decode_bandwidth_gbs") or env["bandwidth_gbs"]
 
 
 def _decode_tables(result, env):
@@ -388,7 +408,7 @@ def _decode_tables(result, env):
         "|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
-        roof = env["bandwidth_gbs"] * 1e9 / run["weight_bytes"]
+        roof = _decode_bandwidth(env) * 1e9 / run["weight_bytes"]
         same = sum(p["token_identical"] for p in run["prompts"])
         lines.append(
             f"| {run['dtype']} | {run['median_stock_tok_s']:.1f} | {run['median_ours_tok_s']:.1f} | "
@@ -604,13 +624,7 @@ def main(argv=None):
                           for key in _SECTION_KEYS if result.get(key)}
     if args.only and args.json and Path(args.json).is_file():
         # one section re-measured: keep the other sections of the previous run, each with where it came from
-        previous = json.loads(Path(args.json).read_text())
-        for key in _SECTION_KEYS:
-            if not result.get(key) and previous.get(key):
-                result[key] = previous[key]
-                result["sections"][key] = previous.get("sections", {}).get(key) or {
-                    "command": _own_command(previous),
-                    "date": previous.get("date")}
+        merge_previous(result, json.loads(Path(args.json).read_text()))
     plots = render_plots(result, Path(args.out).parent, Path(args.out).stem) if args.out else {}
     report = render_markdown(result, plots)
     print(report)
