@@ -228,6 +228,12 @@ class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):
       Fully accepted proposals grow by 2 up to ``prompt_lookup_num_tokens``; partly accepted ones
       shrink to twice the accepted count (at least 2).
 
+    Under the cost model (the default for ``generate(prompt_lookup_num_tokens=...)``, see
+    :mod:`~optimum_ipex_spec.cost_model`) ``adaptive`` is False: the cost model sets the length each round
+    (``num_output_tokens``) and decides when not to look up, from costs measured on the machine it runs on; a round
+    without a match is one of its empty rounds. ``generate(num_assistant_tokens_schedule="constant")`` (or
+    ``"heuristic"``) keeps the gating above.
+
     Losslessness is unaffected: every candidate is verified by the target.
     """
 
@@ -250,6 +256,7 @@ class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):
         self.backoff = 1
         self.expected_accepted = self._break_even(num_output_tokens) + 1.0  # optimistic start
         self.stats = SpeculationStats()
+        self.adaptive = True  # False: no pauses or length changes of its own (a cost model sets the length)
 
     def _break_even(self, proposed: int) -> float:
         return self.VERIFY_BASE + self.VERIFY_SLOPE * proposed
@@ -301,6 +308,8 @@ class AdaptivePromptLookupCandidateGenerator(PromptLookupCandidateGenerator):
         self.stats.rounds += 1
         self.stats.proposed += proposed
         self.stats.accepted += accepted
+        if not self.adaptive:
+            return
         self.expected_accepted = self.EMA * self.expected_accepted + (1 - self.EMA) * accepted
         if accepted == proposed:
             self.num_output_tokens = min(self.max_output_tokens, self.num_output_tokens + 2)

@@ -13,7 +13,7 @@ proposals the target gets to verify (a draft of another tokenizer proposes ``k``
 some other number of target tokens; a draft may stop early).
 A round that verifies ``n`` proposals costs ``T(n)``: drafting them, the target's forward over ``n + 1`` tokens and
 the loop's own work; ``n = 0`` is one plain decode step, ``E(0) = 1``. A drafting round may also yield nothing to
-verify (a universal draft whose tokens make no new target token; a lookup without a match): it yields the
+verify (a universal draft whose tokens make no new target token; prompt lookup without a match): it yields the
 target's one token and costs ``Z(k)``, its drafting time and a plain step, measured by the ``k`` chosen. A round
 choosing ``k`` is such an empty round with probability ``z`` (the empty share) and otherwise verifies ``n = s k``
 proposals on average (``s``, the verified share of non-empty rounds, below 1 when a draft stops early or, of another

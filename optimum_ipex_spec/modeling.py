@@ -343,10 +343,19 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if strategy is Strategy.PROMPT_LOOKUP:
             self.last_speculation_stats = generator.stats
         draft_config = assistant_model.generation_config if assistant_model is not None else None
-        if uses_cost_model(strategy, assistant_model is not None, getattr(draft_config, "num_assistant_tokens_schedule",
-                                                                          None), request.schedule_passed):
-            cap = int(getattr(draft_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
-            self.last_cost_model = CostModel(max_tokens=min(cap, MAX_DRAFT_TOKENS),
+        if strategy is Strategy.PROMPT_LOOKUP:  # no draft config: the schedule passed, the lookup's own length cap
+            schedule, cap = request.schedule, generation_config.prompt_lookup_num_tokens
+        else:
+            schedule = getattr(draft_config, "num_assistant_tokens_schedule", None)
+            cap = getattr(draft_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS
+        if uses_cost_model(strategy, assistant_model is not None, schedule, request.schedule_passed):
+            lookup = strategy is Strategy.PROMPT_LOOKUP
+            if lookup:
+                generator.adaptive = False  # its length and pauses are the cost model's now
+            cap = min(int(cap), MAX_DRAFT_TOKENS)
+            # a lookup costs next to nothing: its first rounds propose the most it may (only the verification is
+            # at stake, and the long end is measured at once); a draft model starts at k0 = 2
+            self.last_cost_model = CostModel(max_tokens=cap, first_tokens=cap if lookup else 2,
                                              plain_first=getattr(generator, "starts_at_any_length", False))
             speculate_by_cost(generator, self.last_cost_model)
         else:
@@ -396,7 +405,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             draft_config = getattr(assistant, "generation_config", None)
             check_draft_arguments({name: draft_overrides.get(name, getattr(draft_config, name, None))
                                    for name in DRAFT_ARGUMENTS})
-        request = GenerationRequest(schedule_passed="num_assistant_tokens_schedule" in draft_overrides)
+        request = GenerationRequest(schedule_passed="num_assistant_tokens_schedule" in draft_overrides,
+                                    schedule=draft_overrides.get("num_assistant_tokens_schedule"))
+        if assistant is None and draft_overrides:  # prompt lookup's schedule: checked here, it has no draft config
+            check_draft_arguments(draft_overrides)
+            draft_overrides = {}
         if candidate_generator is not None:
             for method in ("get_candidates", "update_candidate_strategy"):
                 if not callable(getattr(candidate_generator, method, None)):

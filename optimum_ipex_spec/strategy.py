@@ -61,6 +61,8 @@ class GenerationRequest:
         stopping_criteria: all stopping criteria of the call, once transformers built them.
         strategy: the strategy chosen, once transformers asked for the candidate generator.
         schedule_passed: ``num_assistant_tokens_schedule`` was passed to this call (not only configured).
+        schedule: the ``num_assistant_tokens_schedule`` passed to this call, or None (prompt lookup reads it here: it
+            has no draft whose generation config would carry it).
     """
 
     candidate_generator: Any = None
@@ -68,6 +70,7 @@ class GenerationRequest:
     stopping_criteria: Any = None
     strategy: Optional[Strategy] = None
     schedule_passed: bool = False
+    schedule: Optional[str] = None
 
 
 _REQUEST: contextvars.ContextVar[Optional[GenerationRequest]] = contextvars.ContextVar(
@@ -122,10 +125,14 @@ def uses_cost_model(strategy: Strategy, has_draft: bool, schedule: Optional[str]
 
     On for a draft model's strategies when the draft's ``num_assistant_tokens_schedule`` is ``"cost"``, or is
     transformers' default (unset, or ``"constant"``, which transformers 4.x cannot tell from unset) and the call did
-    not pass a schedule: the default for our targets. Off with ``num_assistant_tokens_schedule="constant"`` (or
+    not pass a schedule: the default for our targets. On for prompt lookup unless the call passed a schedule other
+    than ``"cost"`` (then the lookup gates itself: ``AdaptivePromptLookupCandidateGenerator``). Off with ``num_assistant_tokens_schedule="constant"`` (or
     ``"heuristic"``) passed to ``generate()``, or ``"heuristic"`` / ``"heuristic_transient"`` on the draft's
     generation config.
     """
+    if strategy is Strategy.PROMPT_LOOKUP:  # no draft: on unless a schedule was passed to the call (``"cost"`` on,
+        # any of transformers' values off: the lookup's own break-even gating)
+        return schedule == COST_SCHEDULE or not schedule_passed
     if not has_draft or strategy not in DRAFT_STRATEGIES:
         return False
     return schedule == COST_SCHEDULE or (schedule in (None, "constant") and not schedule_passed)
@@ -242,6 +249,9 @@ def assisted_arguments(kwargs: Dict[str, Any], candidate_generator) -> Dict[str,
     if candidate_generator is not None:
         raise ValueError(f"{names} configure(s) a draft model (assistant_model=...); a candidate_generator makes its "
                          "own proposals: drop the argument(s) or configure your generator")
+    if assistant is None and lookup is not None and set(passed) == {"num_assistant_tokens_schedule"}:
+        kwargs.pop("num_assistant_tokens_schedule", None)  # prompt lookup's switch for the cost model
+        return passed
     if assistant is None:
         source = "prompt lookup counts its proposals with prompt_lookup_num_tokens" if lookup is not None else (
             "this call has no draft")

@@ -307,7 +307,9 @@ def test_a_draft_that_never_pays_keeps_its_window():
     (Strategy.DRAFT, True, "constant", True, False),  # passed to generate(): the user's choice
     (Strategy.DRAFT, True, "heuristic", False, False),
     (Strategy.TRANSFORMERS, False, None, False, False),  # early exit: no draft model
-    (Strategy.PROMPT_LOOKUP, False, None, False, False),  # its own break-even gating
+    (Strategy.PROMPT_LOOKUP, False, None, False, True),  # prompt lookup: on by default
+    (Strategy.PROMPT_LOOKUP, False, "cost", True, True),
+    (Strategy.PROMPT_LOOKUP, False, "constant", True, False),  # passed: the lookup's own gating
     (Strategy.CUSTOM, False, None, False, False),
 ])
 def test_when_the_cost_model_is_on(strategy, has_draft, schedule, passed, on):
@@ -326,8 +328,11 @@ def test_default_on_switch_off_and_lossless(tiny_stock_target_draft):
         got = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=assistant,
                               num_assistant_tokens_schedule="constant")
         assert torch.equal(got, expected) and target.last_cost_model is None
-    target.generate(ids, max_new_tokens=8, prompt_lookup_num_tokens=3)
-    assert target.last_cost_model is None
+    looked_up = target.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+    assert torch.equal(looked_up, expected[:, :ids.shape[1] + 8]) and target.last_cost_model.max_tokens == 3
+    target.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
+                    num_assistant_tokens_schedule="constant")
+    assert target.last_cost_model is None  # the lookup's own gating
     target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=draft)
     assert target.last_cost_model is not None
     target.generate(ids, max_new_tokens=4, do_sample=False)  # a plain call clears the last call's model

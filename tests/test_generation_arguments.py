@@ -143,7 +143,8 @@ def test_lookbehinds_reach_universal_generation(name, models, tokenizer, draft_t
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_assistant_tokens=2), "assistant_model"),
-    (dict(num_assistant_tokens_schedule="constant", prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+    (dict(num_assistant_tokens=2, prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
+    (dict(num_assistant_tokens_schedule="fast", prompt_lookup_num_tokens=3), "num_assistant_tokens_schedule"),
     (dict(assistant_confidence_threshold=0.2), "assistant_model"),
     (dict(max_matching_ngram_size=2), "prompt_lookup_num_tokens"),
     (dict(assistant_lookbehind=3, assistant_model="draft"), "assistant_tokenizer"),

@@ -91,6 +91,35 @@ def test_adaptive_pause_and_backoff():
     assert gen.stats.accepted == 2 and gen.stats.rounds >= 3
 
 
+@pytest.mark.parametrize("schedule, cost_model", [(None, True), ("cost", True), ("constant", False),
+                                                  ("heuristic", False)])
+def test_the_cost_model_chooses_the_lookup_length_unless_switched_off(pair, tokenizer, schedule, cost_model):
+    """The cost model is prompt lookup's default; a schedule passed to generate() other than "cost" keeps the
+    lookup's own break-even gating. Either way the output is plain greedy's."""
+    stock, model = pair
+    inputs = tokenizer(REPETITIVE, return_tensors="pt")
+    expected = stock.generate(**inputs, max_new_tokens=24, do_sample=False)
+    extra = {} if schedule is None else {"num_assistant_tokens_schedule": schedule}
+    got = model.generate(**inputs, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=6, **extra)
+    assert torch.equal(got, expected)
+    assert (model.last_cost_model is not None) == cost_model
+    if cost_model:
+        report = model.last_cost_model.report()
+        assert max(report["chosen_k"]) <= 6 and report["rounds"] > 0
+        assert model.last_speculation_stats.rounds > 0  # it looked up, and the target verified the proposals
+
+
+def test_under_the_cost_model_the_lookup_neither_pauses_nor_resizes():
+    gen = AdaptivePromptLookupCandidateGenerator(num_output_tokens=10, max_length=1000)
+    gen.adaptive = False
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    for _ in range(5):  # rejected rounds: the gating would pause and shrink the length
+        gen.get_candidates(ids)
+        gen.update_candidate_strategy(ids, torch.zeros(1, 11, 5), 0)
+    assert gen.pause == 0 and gen.num_output_tokens == 10 and gen.stats.rounds == 5
+    assert gen.get_candidates(ids)[0].shape[1] > ids.shape[1]
+
+
 def test_single_token_matches_are_not_proposed():
     gen = AdaptivePromptLookupCandidateGenerator(num_output_tokens=5, max_length=1000)
     ids = torch.tensor([[7, 1, 9, 4, 1]])  # only the 1-gram "1" recurs

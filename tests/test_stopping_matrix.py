@@ -3,7 +3,7 @@
 Stopping rules: ``max_new_tokens``, ``max_length``, ``min_new_tokens``, EOS (int and list), ``stop_strings``, a user
 ``StoppingCriteria``, ``max_time``. Candidate sources: an IPEXModelForCausalLM draft (constant schedule, and the cost
 model, whose draft holds a window of the prompt on its first rounds), a transformers draft,
-``self_draft()``, prompt lookup, universal assisted generation (a draft of another tokenizer) and a user
+``self_draft()``, prompt lookup (under the cost model and gating itself), universal assisted generation (a draft of another tokenizer) and a user
 ``candidate_generator``. The stopping points are chosen from the target's own greedy tokens so that they fall
 inside a draft block (the drafts over the target's weights propose exactly the target's tokens). Expected values
 come from stock transformers on the same weights, never from the code under test.
@@ -23,7 +23,8 @@ from optimum_ipex_spec.utils.import_utils import ipex_status
 from test_universal import draft_tokenizer  # noqa: F401  (fixture: a real, different BPE tokenizer)
 
 TEXT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
-SOURCES = ["ipex-draft", "ipex-draft-cost", "hf-draft", "self-draft", "prompt-lookup", "universal", "user-generator"]
+SOURCES = ["ipex-draft", "ipex-draft-cost", "hf-draft", "self-draft", "prompt-lookup", "prompt-lookup-gating",
+           "universal", "user-generator"]
 BACKENDS = ["auto", "torch"]
 
 
@@ -94,8 +95,10 @@ def _source_kwargs(source, setup, target, backend, tokenizer, draft_tokenizer): 
         if ("self", backend) not in drafts:
             drafts[("self", backend)] = target.self_draft(backend=backend)
         return {"assistant_model": drafts[("self", backend)]}
-    if source == "prompt-lookup":
+    if source == "prompt-lookup":  # under the cost model
         return {"prompt_lookup_num_tokens": 4}
+    if source == "prompt-lookup-gating":  # the lookup's own break-even gating
+        return {"prompt_lookup_num_tokens": 4, "num_assistant_tokens_schedule": "constant"}
     if source == "universal":
         if "universal" not in drafts:
             drafts["universal"] = build_tiny("qwen2", vocab_size=len(draft_tokenizer), seed=5)
