@@ -244,6 +244,7 @@ def run_lookup(path, tokenizer, args, bar):
             samples[i]["alone"].append(alone_t)
             samples[i]["lookup"].append(lookup_t)
             samples[i]["stats"].append(model.last_speculation_stats)
+            samples[i]["stats_cost"] = model.last_cost_model is not None
             bar.update(2)
     for i, (kind, prompt) in enumerate(prompts):
         s = samples[i]
@@ -260,6 +261,7 @@ def run_lookup(path, tokenizer, args, bar):
             "alone_ttft_s": statistics.median(t.ttft_s for t in s["alone"]),
             "lookup_ttft_s": statistics.median(t.ttft_s for t in s["lookup"]),
             "token_identical": s["same"],
+            "schedule": "cost" if s["stats_cost"] else "back-off",
         })
     return rows
 
@@ -492,8 +494,11 @@ def _speculation_tables(result, plots):
         extra = [key for key, _ in _LOOKUP_OPTIONAL if any(key in r for r in rows)]  # recorded since 2026-11-30
         titles = dict(_LOOKUP_OPTIONAL)
         lines += ["", f"## Prompt lookup decoding (`prompt_lookup_num_tokens={result['lookup_tokens']}`), fp32 target",
-                  "", "Ours alone vs ours with adaptive prompt lookup, greedy, end-to-end tokens/s (prefill "
-                  "included). Grounded prompts: HumanEval code with an edit instruction, Lee-corpus news "
+                  "", "Ours alone vs ours with prompt lookup "
+                  + ("under the cost model (the default since 2026-12-03)" if any(r.get("schedule") == "cost"
+                                                                                   for r in rows)
+                     else "gating itself with its back-off (the default until 2026-12-03)")
+                  + ", greedy, end-to-end tokens/s (prefill included). Grounded prompts: HumanEval code with an edit instruction, Lee-corpus news "
                   "articles with a restate or summarise instruction.", "",
                   "| prompt | kind | new tokens | alone tok/s | lookup tok/s | ratio | acceptance rate | "
                   + "".join(f"{titles[k]} | " for k in extra) + "output |",
