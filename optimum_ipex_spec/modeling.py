@@ -340,16 +340,15 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         generator = build_candidate_generator(
             strategy, self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
             assistant_model, target_tokenizer, assistant_tokenizer, transformers_default)
-        if strategy is Strategy.PROMPT_LOOKUP:
+        lookup = strategy is Strategy.PROMPT_LOOKUP
+        if lookup:  # no draft config: the schedule passed, the lookup's own length cap
             self.last_speculation_stats = generator.stats
-        draft_config = assistant_model.generation_config if assistant_model is not None else None
-        if strategy is Strategy.PROMPT_LOOKUP:  # no draft config: the schedule passed, the lookup's own length cap
-            schedule, cap = request.schedule, generation_config.prompt_lookup_num_tokens
+            configured, cap = None, generation_config.prompt_lookup_num_tokens
         else:
-            schedule = getattr(draft_config, "num_assistant_tokens_schedule", None)
+            draft_config = assistant_model.generation_config if assistant_model is not None else None
+            configured = getattr(draft_config, "num_assistant_tokens_schedule", None)
             cap = getattr(draft_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS
-        if uses_cost_model(strategy, assistant_model is not None, schedule, request.schedule_passed):
-            lookup = strategy is Strategy.PROMPT_LOOKUP
+        if uses_cost_model(strategy, assistant_model is not None, configured, request.schedule):
             if lookup:
                 generator.adaptive = False  # its length and pauses are the cost model's now
             cap = min(int(cap), MAX_DRAFT_TOKENS)
@@ -405,8 +404,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             draft_config = getattr(assistant, "generation_config", None)
             check_draft_arguments({name: draft_overrides.get(name, getattr(draft_config, name, None))
                                    for name in DRAFT_ARGUMENTS})
-        request = GenerationRequest(schedule_passed="num_assistant_tokens_schedule" in draft_overrides,
-                                    schedule=draft_overrides.get("num_assistant_tokens_schedule"))
+        request = GenerationRequest(schedule=draft_overrides.get("num_assistant_tokens_schedule"))
         if assistant is None and draft_overrides:  # prompt lookup's schedule: checked here, it has no draft config
             check_draft_arguments(draft_overrides)
             draft_overrides = {}

@@ -60,16 +60,14 @@ class GenerationRequest:
             other ids (transformers would refuse it; universal assisted generation re-encodes the text).
         stopping_criteria: all stopping criteria of the call, once transformers built them.
         strategy: the strategy chosen, once transformers asked for the candidate generator.
-        schedule_passed: ``num_assistant_tokens_schedule`` was passed to this call (not only configured).
-        schedule: the ``num_assistant_tokens_schedule`` passed to this call, or None (prompt lookup reads it here: it
-            has no draft whose generation config would carry it).
+        schedule: the ``num_assistant_tokens_schedule`` passed to this call (not only configured), or None. Prompt
+            lookup reads it here: it has no draft whose generation config would carry it.
     """
 
     candidate_generator: Any = None
     assistant_tokenizer: Any = None
     stopping_criteria: Any = None
     strategy: Optional[Strategy] = None
-    schedule_passed: bool = False
     schedule: Optional[str] = None
 
 
@@ -120,22 +118,26 @@ def select_strategy(*, custom: bool, has_draft: bool, draft_can_run_ours: bool, 
 DRAFT_STRATEGIES = (Strategy.DRAFT, Strategy.UNIVERSAL_SAMPLING, Strategy.TRANSFORMERS)
 
 
-def uses_cost_model(strategy: Strategy, has_draft: bool, schedule: Optional[str], schedule_passed: bool) -> bool:
+def uses_cost_model(strategy: Strategy, has_draft: bool, configured: Optional[str], passed: Optional[str]) -> bool:
     """Whether :mod:`~optimum_ipex_spec.cost_model` chooses the draft length of a call (pure).
 
-    On for a draft model's strategies when the draft's ``num_assistant_tokens_schedule`` is ``"cost"``, or is
-    transformers' default (unset, or ``"constant"``, which transformers 4.x cannot tell from unset) and the call did
-    not pass a schedule: the default for our targets. On for prompt lookup unless the call passed a schedule other
-    than ``"cost"`` (then the lookup gates itself: ``AdaptivePromptLookupCandidateGenerator``). Off with ``num_assistant_tokens_schedule="constant"`` (or
-    ``"heuristic"``) passed to ``generate()``, or ``"heuristic"`` / ``"heuristic_transient"`` on the draft's
-    generation config.
+    Args:
+        strategy: the call's strategy.
+        has_draft: the call has a draft model (``assistant_model=...``).
+        configured: the draft's ``num_assistant_tokens_schedule`` for this call (what was passed, else its
+            generation config's), or None when unset or when there is no draft.
+        passed: the ``num_assistant_tokens_schedule`` passed to ``generate()``, or None.
+
+    A draft model's strategies: on when ``configured`` is ``"cost"``, or is transformers' default (unset, or
+    ``"constant"``, which transformers 4.x cannot tell from unset) and nothing was passed: the default for our
+    targets. Prompt lookup: on unless a schedule other than ``"cost"`` was passed (then the lookup gates itself,
+    :class:`~optimum_ipex_spec.candidates.AdaptivePromptLookupCandidateGenerator`). Off for everything else.
     """
-    if strategy is Strategy.PROMPT_LOOKUP:  # no draft: on unless a schedule was passed to the call (``"cost"`` on,
-        # any of transformers' values off: the lookup's own break-even gating)
-        return schedule == COST_SCHEDULE or not schedule_passed
+    if strategy is Strategy.PROMPT_LOOKUP:
+        return passed in (None, COST_SCHEDULE)
     if not has_draft or strategy not in DRAFT_STRATEGIES:
         return False
-    return schedule == COST_SCHEDULE or (schedule in (None, "constant") and not schedule_passed)
+    return configured == COST_SCHEDULE or (configured in (None, "constant") and passed is None)
 
 
 def build_candidate_generator(strategy: Strategy, target, generation_config, input_ids, inputs_tensor,
@@ -212,14 +214,16 @@ UNIVERSAL_ARGUMENTS = ("assistant_lookbehind", "target_lookbehind")
 def assisted_arguments(kwargs: Dict[str, Any], candidate_generator) -> Dict[str, Any]:
     """Check the assisted-decoding arguments of a ``generate()`` call and return those the draft's generation config
     must carry for this call (``DRAFT_ARGUMENTS`` and ``UNIVERSAL_ARGUMENTS`` passed as keywords, which are removed
-    from ``kwargs``, or set to a non-default value in a ``generation_config=`` passed to the call).
+    from ``kwargs``, or set to a non-default value in a ``generation_config=`` passed to the call). With prompt
+    lookup the only draft argument accepted is ``num_assistant_tokens_schedule`` (``"cost"``, the default, or one
+    of transformers' values for the lookup's own back-off); it is returned and removed from ``kwargs`` too.
 
     Raises:
         ValueError: an argument without the strategy it configures: a draft argument without ``assistant_model``
-            (or with ``candidate_generator``, which chooses its own proposals), a lookbehind without ``tokenizer=``
-            and ``assistant_tokenizer=``, ``max_matching_ngram_size`` without ``prompt_lookup_num_tokens``, or
-            ``prompt_lookup_num_tokens`` together with ``assistant_model`` (transformers would silently drop the
-            draft).
+            (except the schedule with prompt lookup) or with ``candidate_generator`` (which chooses its own
+            proposals), a lookbehind without ``tokenizer=`` and ``assistant_tokenizer=``,
+            ``max_matching_ngram_size`` without ``prompt_lookup_num_tokens``, or ``prompt_lookup_num_tokens``
+            together with ``assistant_model`` (transformers would silently drop the draft).
     """
     assistant = kwargs.get("assistant_model")
     lookup = kwargs.get("prompt_lookup_num_tokens", getattr(kwargs.get("generation_config"), "prompt_lookup_num_tokens",

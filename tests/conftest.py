@@ -54,6 +54,16 @@ def build_tiny(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, layers: i
     return model.eval()
 
 
+def exact_two_token_distributions(model, ids):
+    """Target's exact distribution of the 1st token and the marginal of the 2nd token (temperature 1)."""
+    with torch.no_grad():
+        p1 = torch.softmax(model(ids).logits[0, -1].float(), -1)
+        vocab = p1.numel()
+        seconds = torch.cat([ids.repeat(vocab, 1), torch.arange(vocab).unsqueeze(1)], 1)
+        p2_given = torch.softmax(model(seconds).logits[:, -1].float(), -1)
+    return p1, p1 @ p2_given
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """Factory: save a tiny model of ``arch`` once per session and return its folder."""

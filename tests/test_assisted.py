@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteriaList
 
-from conftest import build_tiny
+from conftest import build_tiny, exact_two_token_distributions
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.utils.import_utils import ipex_status
 
@@ -259,16 +259,6 @@ def test_batch_above_one_is_rejected_clearly(tiny_dir, tokenizer):
 
 
 # ----------------------------------------------------------------------------------- sampling
-def _exact_two_token_distributions(model, ids):
-    """Target's exact distribution of the 1st token and the marginal of the 2nd token (temperature 1)."""
-    with torch.no_grad():
-        p1 = torch.softmax(model(ids).logits[0, -1].float(), -1)
-        vocab = p1.numel()
-        seconds = torch.cat([ids.repeat(vocab, 1), torch.arange(vocab).unsqueeze(1)], 1)
-        p2_given = torch.softmax(model(seconds).logits[:, -1].float(), -1)
-    return p1, p1 @ p2_given
-
-
 @pytest.mark.parametrize("pairing", ["hf+hf", "hf+ipex", "ipex+hf", "ipex+ipex"])
 def test_speculative_sampling_keeps_target_distribution(pairing):
     vocab = 12
@@ -279,7 +269,7 @@ def test_speculative_sampling_keeps_target_distribution(pairing):
     draft = draft_ref if draft_kind == "hf" else IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(draft_ref))
     draft.generation_config.num_assistant_tokens = 3
     ids = torch.tensor([[1, 5, 7]])
-    p1, p2 = _exact_two_token_distributions(ref, ids)
+    p1, p2 = exact_two_token_distributions(ref, ids)
     runs = 1500
     counts1, counts2 = torch.zeros(vocab), torch.zeros(vocab)
     for seed in range(runs):

@@ -299,21 +299,23 @@ def test_a_draft_that_never_pays_keeps_its_window():
     assert model.probes >= 2 and set(generator.windows) == {PROBE_CONTEXT} and model.full_context_round is None
 
 
-@pytest.mark.parametrize("strategy,has_draft,schedule,passed,on", [
-    (Strategy.DRAFT, True, None, False, True),  # transformers 5: unset
-    (Strategy.DRAFT, True, "constant", False, True),  # transformers 4: the default value
-    (Strategy.TRANSFORMERS, True, "cost", True, True),
-    (Strategy.UNIVERSAL_SAMPLING, True, "constant", False, True),
-    (Strategy.DRAFT, True, "constant", True, False),  # passed to generate(): the user's choice
-    (Strategy.DRAFT, True, "heuristic", False, False),
-    (Strategy.TRANSFORMERS, False, None, False, False),  # early exit: no draft model
-    (Strategy.PROMPT_LOOKUP, False, None, False, True),  # prompt lookup: on by default
-    (Strategy.PROMPT_LOOKUP, False, "cost", True, True),
-    (Strategy.PROMPT_LOOKUP, False, "constant", True, False),  # passed: the lookup's own gating
-    (Strategy.CUSTOM, False, None, False, False),
+@pytest.mark.parametrize("strategy,has_draft,configured,passed,on", [
+    (Strategy.DRAFT, True, None, None, True),  # transformers 5: unset
+    (Strategy.DRAFT, True, "constant", None, True),  # transformers 4: the default value
+    (Strategy.TRANSFORMERS, True, "cost", "cost", True),
+    (Strategy.TRANSFORMERS, True, "cost", None, True),  # on the draft's generation config
+    (Strategy.UNIVERSAL_SAMPLING, True, "constant", None, True),
+    (Strategy.DRAFT, True, "constant", "constant", False),  # passed to generate(): the user's choice
+    (Strategy.DRAFT, True, "heuristic", None, False),
+    (Strategy.TRANSFORMERS, False, None, None, False),  # early exit: no draft model
+    (Strategy.PROMPT_LOOKUP, False, None, None, True),  # prompt lookup: on by default
+    (Strategy.PROMPT_LOOKUP, False, None, "cost", True),
+    (Strategy.PROMPT_LOOKUP, False, None, "constant", False),  # passed: the lookup's own gating
+    (Strategy.PROMPT_LOOKUP, False, None, "heuristic", False),
+    (Strategy.CUSTOM, False, None, None, False),
 ])
-def test_when_the_cost_model_is_on(strategy, has_draft, schedule, passed, on):
-    assert uses_cost_model(strategy, has_draft, schedule, passed) is on
+def test_when_the_cost_model_is_on(strategy, has_draft, configured, passed, on):
+    assert uses_cost_model(strategy, has_draft, configured, passed) is on
 
 
 def test_default_on_switch_off_and_lossless(tiny_stock_target_draft):

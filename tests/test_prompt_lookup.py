@@ -1,9 +1,13 @@
-"""Prompt lookup decoding with an IPEX target: token-exact against plain greedy, including length."""
+"""Prompt lookup decoding with an IPEX target: token-exact against plain greedy, including length; the target's
+distribution with sampling."""
+
+import copy
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, NoBadWordsLogitsProcessor
 
+from conftest import build_tiny, exact_two_token_distributions
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.candidates import AdaptivePromptLookupCandidateGenerator
 
@@ -150,3 +154,31 @@ def test_real_smollm2_code_edit(smollm2_dir, tokenizer):
     got = model.generate(**inputs, max_new_tokens=64, do_sample=False, prompt_lookup_num_tokens=10)
     assert got.shape == expected.shape and torch.equal(got, expected)
     assert model.last_speculation_stats.accepted > 0
+
+
+@pytest.mark.parametrize("schedule", [None, "constant"])  # the cost model (default), the lookup's own back-off
+def test_sampling_with_prompt_lookup_keeps_the_target_distribution(schedule):
+    """With ``do_sample=True`` a lookup proposal is kept only where it equals the token the target sampled there, so
+    the first two new tokens follow the target's exact law (total variation against it, as in test_assisted)."""
+    vocab = 12
+    ref = build_tiny("llama", vocab_size=vocab, seed=3)
+    target = IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(ref))
+    ids = torch.tensor([[1, 5, 7, 1, 5]])  # the bigram (1, 5) recurs: the lookup proposes (7, 1) at once
+    p1, p2 = exact_two_token_distributions(ref, ids)
+    runs = 1500
+    counts1, counts2 = torch.zeros(vocab), torch.zeros(vocab)
+    rounds = accepted = 0
+    extra = {} if schedule is None else {"num_assistant_tokens_schedule": schedule}
+    for seed in range(runs):
+        torch.manual_seed(seed)
+        out = target.generate(ids, max_new_tokens=2, do_sample=True, top_k=0, temperature=1.0,
+                              prompt_lookup_num_tokens=2, max_matching_ngram_size=2, pad_token_id=0,
+                              eos_token_id=None, **extra)
+        counts1[out[0, 5]] += 1
+        counts2[out[0, 6]] += 1
+        rounds += target.last_speculation_stats.rounds
+        accepted += target.last_speculation_stats.accepted
+    assert rounds >= runs and accepted > 0  # every call proposed, and some proposals were kept
+    for counts, exact in ((counts1, p1), (counts2, p2)):
+        tv = 0.5 * (counts / runs - exact).abs().sum().item()
+        assert tv < 0.07, (schedule, tv, counts / runs, exact)
