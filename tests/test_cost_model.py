@@ -1,5 +1,6 @@
 """The cost model that picks each round's draft length (optimum_ipex_spec.cost_model): its arithmetic, its decisions
-on simulated costs (a fake clock, no timing of real code), when it is on, and that output stays the target's."""
+on simulated costs (a fake clock, no timing of real code), when it is on, and that output stays the target's; one
+real run with a draft of random weights, whose proposals are almost never accepted whatever the clock says."""
 
 import pytest
 import torch
@@ -339,6 +340,25 @@ def test_default_on_switch_off_and_lossless(tiny_stock_target_draft):
     assert target.last_cost_model is not None
     target.generate(ids, max_new_tokens=4, do_sample=False)  # a plain call clears the last call's model
     assert target.last_cost_model is None and target.last_strategy is None
+
+
+def test_a_draft_of_random_weights_is_turned_off(tiny_stock_target_draft):
+    """Issue 15's useless draft, in a unit test: the target's architecture with other random weights (seed 99).
+    With next to no accepted tokens no draft length can beat a plain step, so the cost model decodes without the
+    draft in most rounds (its timing only decides how often it probes); output stays the target's."""
+    from conftest import build_tiny
+    from optimum_ipex_spec import IPEXModelForCausalLM
+
+    stock, target, _ = tiny_stock_target_draft
+    useless = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", seed=99))
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 5, 17]])
+    expected = stock.generate(ids, max_new_tokens=80, do_sample=False)
+    got = target.generate(ids, max_new_tokens=80, do_sample=False, assistant_model=useless)
+    assert torch.equal(got, expected)
+    report = target.last_cost_model.report()
+    assert report["alpha"] < 0.2, report  # the proposals were tried, and rejected
+    assert report["rounds_off"] >= 0.7 * report["rounds"] and report["chosen_k"].get(0, 0) == report["rounds_off"], \
+        report
 
 
 @pytest.mark.parametrize("argument,value,message", [
