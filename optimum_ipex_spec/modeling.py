@@ -68,6 +68,7 @@ from .strategy import (
     check_draft_arguments,
     current_request,
     draft_generation_config,
+    lookup_arguments,
     request_scope,
     same_size_different_vocabularies,
     select_strategy,
@@ -381,16 +382,25 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         ``num_assistant_tokens``, ``num_assistant_tokens_schedule`` and ``assistant_confidence_threshold`` (with
         ``assistant_model``), ``assistant_lookbehind`` and ``target_lookbehind`` (universal assisted generation:
         ``tokenizer=`` and ``assistant_tokenizer=``), ``prompt_lookup_num_tokens`` and ``max_matching_ngram_size``
-        (prompt lookup). They apply to this call only: the draft's generation config is left as it was.
+        (prompt lookup). They apply to this call only: the draft's generation config is left as it was. Set on a
+        ``generation_config=`` passed to the call they count as passed, except where they equal transformers'
+        defaults, which transformers 4.x cannot tell from unset (``num_assistant_tokens_schedule="constant"``,
+        ``num_assistant_tokens=20``: pass those as keywords). ``prompt_lookup_num_tokens`` set on the model's own
+        generation config starts prompt lookup as the keyword does, under the same checks.
 
         Raises:
             ValueError: ``num_beams > 1`` on the IPEX backend (IPEXFusedCache does not reorder beams); contrastive
                 search; speculative decoding with more than one prompt; ``candidate_generator`` together with
                 ``assistant_model`` or ``prompt_lookup_num_tokens``; an assisted-decoding argument without the
-                strategy it configures (e.g. ``num_assistant_tokens`` without ``assistant_model``).
+                strategy it configures (e.g. ``num_assistant_tokens`` without ``assistant_model``);
+                ``prompt_lookup_num_tokens`` or ``max_matching_ngram_size`` not an integer >= 1;
+                ``assistant_early_exit`` (transformers' early-exit self-speculation; use ``self_draft()``).
             TypeError: ``candidate_generator`` lacks the two methods.
         """
+        if current_request() is None:  # a call of the user's (not a draft's inside another model's generate())
+            self.last_strategy = self.last_cost_model = self.last_speculation_stats = None
         generation_config = kwargs.get("generation_config") or self.generation_config
+        lookup_arguments(kwargs, generation_config)
         num_beams = kwargs.get("num_beams", getattr(generation_config, "num_beams", 1)) or 1
         if not self.runner.supports_beam_search and num_beams > 1:
             raise ValueError(
@@ -428,9 +438,6 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         speculative = assistant is not None or kwargs.get("prompt_lookup_num_tokens") is not None
         if self.backend == "torch" and speculative:
             dynamic_cache_for_assisted(self, generation_config, args, kwargs)
-        if not speculative:
-            self.last_strategy = None
-            self.last_cost_model = None
         ipex_involved = self.backend == "ipex" or getattr(assistant, "backend", None) == "ipex"
         # assisted as target, or continuing a cache (how transformers drives an assistant model)
         assisted = speculative or isinstance(kwargs.get("past_key_values"), IPEXFusedCache)
@@ -455,6 +462,13 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 "supported by IPEXModelForCausalLM: it re-ranks candidates by the hidden states of every step, which "
                 "the fused graph and our cache do not provide. Use greedy decoding, sampling or speculative decoding "
                 "(assistant_model=...), or transformers' own model for contrastive search."
+            )
+        if value("assistant_early_exit") is not None:
+            raise ValueError(
+                f"assistant_early_exit={value('assistant_early_exit')} (transformers' early-exit self-speculation, "
+                "LayerSkip) is not supported by IPEXModelForCausalLM: its draft runs the target's first layers "
+                "through transformers' own modules. Pass assistant_model=model.self_draft() (a cheaper copy of "
+                "this model) instead."
             )
         speculative = (kwargs.get("assistant_model") is not None or candidate_generator is not None
                        or kwargs.get("prompt_lookup_num_tokens") is not None)

@@ -211,6 +211,29 @@ DRAFT_ARGUMENTS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "ass
 UNIVERSAL_ARGUMENTS = ("assistant_lookbehind", "target_lookbehind")
 
 
+def lookup_arguments(kwargs: Dict[str, Any], generation_config) -> None:
+    """Make prompt lookup's settings keywords of the call and check them, before any other check reads ``kwargs``.
+
+    ``prompt_lookup_num_tokens`` and ``max_matching_ngram_size`` set on the effective generation config (the one
+    passed to the call, else the model's) start prompt lookup as the keywords do; they are copied into ``kwargs`` so
+    that every later check (batch size, a draft model or ``candidate_generator`` besides, the torch path's cache)
+    sees the strategy the call will run. ``max_matching_ngram_size`` on a config is copied only with prompt lookup.
+
+    Raises:
+        ValueError: ``prompt_lookup_num_tokens`` or ``max_matching_ngram_size`` not an integer >= 1 (transformers
+            would fail deep inside its candidate generator, or take 0 for its default).
+    """
+    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):
+        value = kwargs.get(name)
+        if value is None:
+            value = getattr(generation_config, name, None)
+            if value is None or (name == "max_matching_ngram_size" and kwargs.get("prompt_lookup_num_tokens") is None):
+                continue  # an n-gram size configured without prompt lookup is a default: transformers ignores it
+            kwargs[name] = value
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1 (tokens), got {value!r}")
+
+
 def assisted_arguments(kwargs: Dict[str, Any], candidate_generator) -> Dict[str, Any]:
     """Check the assisted-decoding arguments of a ``generate()`` call and return those the draft's generation config
     must carry for this call (``DRAFT_ARGUMENTS`` and ``UNIVERSAL_ARGUMENTS`` passed as keywords, which are removed
@@ -226,12 +249,12 @@ def assisted_arguments(kwargs: Dict[str, Any], candidate_generator) -> Dict[str,
             together with ``assistant_model`` (transformers would silently drop the draft).
     """
     assistant = kwargs.get("assistant_model")
-    lookup = kwargs.get("prompt_lookup_num_tokens", getattr(kwargs.get("generation_config"), "prompt_lookup_num_tokens",
-                                                            None))
+    lookup = kwargs.get("prompt_lookup_num_tokens")  # set from a generation config too: lookup_arguments()
     if assistant is not None and lookup is not None:
         raise ValueError(
             "pass either assistant_model (a draft model) or prompt_lookup_num_tokens (prompt lookup), not both: "
-            "they are two different sources of draft tokens"
+            "they are two different sources of draft tokens (prompt_lookup_num_tokens counts when set on the "
+            "generation config too: set it to None there to use a draft)"
         )
     if kwargs.get("max_matching_ngram_size") is not None and lookup is None and candidate_generator is None:
         raise ValueError("max_matching_ngram_size configures prompt lookup: pass prompt_lookup_num_tokens=... too")
@@ -240,12 +263,15 @@ def assisted_arguments(kwargs: Dict[str, Any], candidate_generator) -> Dict[str,
                          "proposals: drop the argument")
     passed = {name: kwargs[name] for name in DRAFT_ARGUMENTS + UNIVERSAL_ARGUMENTS if kwargs.get(name) is not None}
     user_config = kwargs.get("generation_config")
-    if user_config is not None and assistant is not None:
+    if user_config is not None and (assistant is not None or lookup is not None or candidate_generator is not None):
+        # a setting of the passed config counts as passed unless it is transformers' default (which 4.x cannot tell
+        # from unset: num_assistant_tokens_schedule="constant", num_assistant_tokens=20) or the draft's own value
         defaults = GenerationConfig()
+        own = getattr(assistant, "generation_config", None)
         for name in DRAFT_ARGUMENTS + UNIVERSAL_ARGUMENTS:
             configured = getattr(user_config, name, None)
             if (name not in passed and configured is not None and configured != getattr(defaults, name, None)
-                    and configured != getattr(assistant.generation_config, name, None)):
+                    and configured != getattr(own, name, None)):
                 passed[name] = configured
     if not passed:
         return {}

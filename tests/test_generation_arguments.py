@@ -166,6 +166,71 @@ def test_arguments_without_their_strategy_are_refused(kwargs, message, models):
         target.generate(IDS, max_new_tokens=3, **kwargs)
 
 
+@pytest.mark.parametrize("name,value", [
+    ("prompt_lookup_num_tokens", 0), ("prompt_lookup_num_tokens", -1), ("prompt_lookup_num_tokens", float("nan")),
+    ("prompt_lookup_num_tokens", "3"), ("prompt_lookup_num_tokens", 2.5), ("prompt_lookup_num_tokens", True),
+    ("max_matching_ngram_size", 0), ("max_matching_ngram_size", -1), ("max_matching_ngram_size", 2.5),
+])
+@pytest.mark.parametrize("where", ["keyword", "generation_config"])
+def test_bad_prompt_lookup_values_are_refused_early(models, name, value, where):
+    """transformers fails nine frames deep on these (or takes 0 for its default n-gram size)."""
+    _, get = models
+    target = get()
+    settings = {"prompt_lookup_num_tokens": 3, name: value}
+    kwargs = settings if where == "keyword" else {"generation_config": GenerationConfig(max_new_tokens=3, **settings)}
+    with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
+        target.generate(IDS, max_new_tokens=3, **kwargs)
+
+
+def test_prompt_lookup_set_on_a_generation_config_is_checked_like_the_keyword(models):
+    """The model's own config or the one passed: the same strategy, the same checks, the same schedule switch."""
+    stock, get = models
+    target = get()
+    ids = torch.cat([IDS, IDS, IDS[:, :2]], dim=1)
+    expected = stock.generate(ids, max_new_tokens=8, do_sample=False)
+    passed = GenerationConfig(max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=2,
+                              num_assistant_tokens_schedule="heuristic", pad_token_id=2)
+    assert torch.equal(target.generate(ids, generation_config=passed), expected)
+    assert target.last_strategy == "prompt-lookup" and target.last_cost_model is None  # the lookup's own back-off
+    with pytest.raises(ValueError, match="num_assistant_tokens"):
+        target.generate(ids, generation_config=GenerationConfig(max_new_tokens=8, prompt_lookup_num_tokens=2,
+                                                                num_assistant_tokens=3, pad_token_id=2))
+    target.generation_config.prompt_lookup_num_tokens = 2
+    try:
+        got = target.generate(ids, max_new_tokens=8, do_sample=False)
+        assert torch.equal(got, expected) and target.last_cost_model is not None
+        target.generate(ids, max_new_tokens=8, do_sample=False, num_assistant_tokens_schedule="constant")
+        assert target.last_strategy == "prompt-lookup" and target.last_cost_model is None
+        with pytest.raises(ValueError, match="not both"):  # transformers would silently drop the draft
+            target.generate(ids, max_new_tokens=8, assistant_model=_draft(target))
+        with pytest.raises(ValueError, match="batch of 2"):
+            target.generate(torch.cat([ids, ids]), max_new_tokens=8)
+    finally:
+        target.generation_config.prompt_lookup_num_tokens = None
+
+
+def test_early_exit_self_speculation_is_named(models):
+    _, get = models
+    with pytest.raises(ValueError, match="assistant_early_exit.*self_draft"):
+        get().generate(IDS, max_new_tokens=3, assistant_early_exit=1)
+
+
+def test_last_call_attributes_describe_the_last_call(models):
+    """last_strategy, last_cost_model and last_speculation_stats are reset by every call of the user's, also one that
+    fails or runs without speculation."""
+    _, get = models
+    target = get()
+    ids = torch.cat([IDS, IDS, IDS[:, :2]], dim=1)
+    target.generate(ids, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=2)
+    assert target.last_speculation_stats is not None and target.last_cost_model is not None
+    target.generate(ids, max_new_tokens=3, do_sample=False)
+    assert (target.last_strategy, target.last_cost_model, target.last_speculation_stats) == (None, None, None)
+    target.generate(ids, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=2)
+    with pytest.raises(ValueError):
+        target.generate(ids, max_new_tokens=3, prompt_lookup_num_tokens=0)
+    assert (target.last_strategy, target.last_cost_model, target.last_speculation_stats) == (None, None, None)
+
+
 # ------------------------------------------------------------------------------ sequence counts
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_num_return_sequences_sampling(backend):

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.generation import candidate_generator
 from transformers.generation.candidate_generator import AssistedCandidateGenerator
 
-from conftest import build_tiny
+from conftest import build_tiny, exact_two_token_distributions
 from optimum_ipex_spec import IPEXModelForCausalLM
 
 TEXTS = [
@@ -198,8 +198,6 @@ def test_universal_speculative_sampling_keeps_target_distribution(pairing):
     """Sampling with different tokenizers (transformers' universal speculative decoding: the draft samples
     within the vocabulary intersection, its probabilities mapped to target ids) keeps the target's law of
     the first and second token. Word-level vocabularies of 12 and 14 entries, in different orders."""
-    from test_assisted import _exact_two_token_distributions
-
     target_words = ["<unk>", "<s>", "</s>"] + list("abcdefghi")
     draft_words = ["</s>", "<unk>", "x", "<s>"] + list("ihgfedcba") + ["y"]  # 'x', 'y': draft-only words
     target_tok, draft_tok = _word_tokenizer(target_words), _word_tokenizer(draft_words)
@@ -223,7 +221,7 @@ def test_universal_speculative_sampling_keeps_target_distribution(pairing):
         with pytest.raises(NotImplementedError, match="LM head"):
             target.generate(ids, **sampling_kwargs)
         return
-    p1, p2 = _exact_two_token_distributions(ref, ids)
+    p1, p2 = exact_two_token_distributions(ref, ids)
     runs, vocab = 1000, len(target_words)
     counts1, counts2 = torch.zeros(vocab), torch.zeros(vocab)
     for seed in range(runs):
