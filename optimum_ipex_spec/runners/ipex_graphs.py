@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
+import time
 import warnings
 from typing import Any, Dict, Optional
 
@@ -31,6 +33,15 @@ logger = logging.getLogger("optimum_ipex_spec")
 #: 85 ms -> 0.6 ms per decode step; on SmolLM2 the steady decode is unchanged (35-36 ms). Applied only
 #: around our graph calls and restored after each.
 GRAPH_FUSION_STRATEGY = [("DYNAMIC", 20)]
+
+#: Rows a one-token decode step may be padded to (the token repeated) so that it runs the verify graph: some CPUs
+#: multiply a few rows faster than one. Measured on an AMD EPYC Zen 4, 1 thread, fp32 (oneDNN, the kernel of our
+#: fp32 export; ``python benchmarks/linear_rows.py``): SmolLM2's decoder matrices in 36 ms for 1 row, 31 for 4,
+#: 29 for 5; Qwen2.5-Coder-0.5B's in 107 ms for 1 row, 78 for 4. A whole decode step: SmolLM2 41-47 -> 37-39 ms,
+#: Qwen 0.5B 139-153 -> 116-131 ms, same tokens. On a CPU with AMX, and in bf16 here, 4 rows cost more than 1.
+PADDED_STEP_ROWS = 4
+#: The padded step is chosen (at warm-up, by timing both) only when it takes at most this share of a decode step.
+PADDED_STEP_GAIN = 0.93
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +66,8 @@ class IPEXGraphRunner(Runner):
     def __init__(self, decode: torch.jit.ScriptModule, verify: Optional[torch.jit.ScriptModule], config, dtype):
         self.decode = decode
         self.verify = verify
+        #: rows of a padded one-token step (1: the decode graph); chosen by :meth:`choose_step_rows`
+        self.step_rows = 1
         self.dtype = dtype
         text_config = config.get_text_config()
         self.num_layers = text_config.num_hidden_layers
@@ -86,6 +99,10 @@ class IPEXGraphRunner(Runner):
         batch, q = input_ids.shape
         past = cache.get_seq_length()
         attention_mask, position_ids, unpadded = mask_and_positions(attention_mask, position_ids, batch, past, q)
+        if q == 1 and past > 0 and self.step_rows > 1 and self.verify is not None and batch == 1 and unpadded:
+            logits = self._padded_step(input_ids, position_ids, cache, past)
+            loss = causal_lm_loss(logits, labels) if labels is not None else None
+            return output(kept_positions(logits, logits_to_keep), cache, use_cache, loss=loss)
         graph = self.graph_for(past, q, batch, unpadded)
         if graph is None:
             logits = self._chunk_token_by_token(input_ids, attention_mask, position_ids, cache)
@@ -138,7 +155,7 @@ class IPEXGraphRunner(Runner):
     def warmup(self, steps: int = 3) -> None:
         """Run the graphs on a short prompt, a few decode steps and a few chunks so TorchScript's profiling
         executor specializes them before the first user call (IPEX's one-time "JIT pass will be deprecated"
-        warning is emitted here and silenced)."""
+        warning is emitted here and silenced); then :meth:`choose_step_rows` times the two ways of a decode step."""
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ids = torch.ones(1, 8, dtype=torch.long)
@@ -149,6 +166,8 @@ class IPEXGraphRunner(Runner):
                 # the first chunk calls of the verification graph compile its dynamic-shape fusions (~1 s)
                 for chunk in (4, 2, 5):
                     self.forward(ids[:, :chunk], None, out.past_key_values, None, True, {})
+                out.past_key_values.crop(ids.shape[1])
+                self.choose_step_rows(out.past_key_values)
 
     def _checked_cache(self, input_ids, cache) -> IPEXFusedCache:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -177,6 +196,49 @@ class IPEXGraphRunner(Runner):
                 "tables end there and would return NaN. Shorten the prompt or max_new_tokens."
             )
         return cache
+
+    def _padded_step(self, input_ids, position_ids, cache, past: int) -> torch.Tensor:
+        """One decode step run as a chunk of ``step_rows`` copies of the token on the verify graph (exact, as every
+        verification); the copies' cache rows are dropped. Returns the token's logits ``[1, 1, vocab]``."""
+        rows = self.step_rows
+        cache.reserve(past + rows)
+        previous = torch.jit.set_fusion_strategy(GRAPH_FUSION_STRATEGY)
+        try:
+            logits, layers = self.verify(
+                input_ids=input_ids.repeat(1, rows),
+                attention_mask=torch.ones(1, past + rows, dtype=torch.long),
+                past_key_values=cache.ipex_layers,
+                position_ids=position_ids + torch.arange(rows, dtype=position_ids.dtype),
+            )
+        finally:
+            torch.jit.set_fusion_strategy(previous)
+        cache.replace(layers)
+        cache.hold(past + 1)
+        return logits[:, :1]
+
+    def choose_step_rows(self, cache: IPEXFusedCache, rounds: int = 3) -> int:
+        """Time a decode step on the decode graph and padded to :data:`PADDED_STEP_ROWS` rows (interleaved, after
+        one untimed call of each, the cache cropped back after each) and keep the padded step where it takes at
+        most :data:`PADDED_STEP_GAIN` of the other. Sets and returns :attr:`step_rows`."""
+        if self.verify is None:
+            self.step_rows = 1
+            return 1
+        past = cache.get_seq_length()
+        token = torch.ones(1, 1, dtype=torch.long)
+        times = {1: [], PADDED_STEP_ROWS: []}
+        for round_index in range(rounds + 1):
+            for rows in times:
+                self.step_rows = rows
+                start = time.perf_counter()
+                self.forward(token, None, cache, None, True, {})
+                if round_index:
+                    times[rows].append(time.perf_counter() - start)
+                cache.crop(past)
+        padded, plain = statistics.median(times[PADDED_STEP_ROWS]), statistics.median(times[1])
+        self.step_rows = PADDED_STEP_ROWS if padded <= PADDED_STEP_GAIN * plain else 1
+        logger.debug("decode step %.1f ms, padded to %d rows %.1f ms: step_rows = %d", 1e3 * plain,
+                     PADDED_STEP_ROWS, 1e3 * padded, self.step_rows)
+        return self.step_rows
 
     def _chunk_token_by_token(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         _warn_once(
