@@ -94,9 +94,11 @@ def run_dtype(path, tokenizer, prompts, dtype, args, bar):
             "ours_ttft_s": statistics.median(t.ttft_s for t in o),
             "token_identical": identical[i],
         })
+    step_rows = getattr(ours.runner, "step_rows", 1)  # the IPEX runner's padded one-token step, chosen at warm-up
     del stock, ours
     return {
         "dtype": str(dtype).replace("torch.", ""),
+        "step_rows": step_rows,
         "backend": "ipex" if ipex_status().available else "torch",
         "weight_bytes": wbytes,
         "median_stock_tok_s": statistics.median(p["stock_decode_tok_s"] for p in per_prompt),
@@ -416,6 +418,12 @@ def _decode_tables(result, env):
             f"| {run['dtype']} | {run['median_stock_tok_s']:.1f} | {run['median_ours_tok_s']:.1f} | "
             f"x{run['median_ratio']:.2f} | {roof:.1f} | token-identical on {same}/{len(run['prompts'])} prompts |"
         )
+    padded = [run["dtype"] for run in result["runs"] if run.get("step_rows", 1) > 1]
+    if padded:
+        lines += ["", f"Ours in {', '.join(padded)} ran each decode step on the verify graph over "
+                      f"{max(run.get('step_rows', 1) for run in result['runs'])} copies of the token: warm-up timed "
+                      "that faster than the decode graph on this CPU (`IPEXGraphRunner.choose_step_rows`, "
+                      "docs/architecture.md)."]
     lines += ["", "## Per prompt", "",
               "| dtype | prompt | prompt tokens | stock tok/s | ours tok/s | ratio | stock TTFT s | ours TTFT s | "
               "identical |", "|---|---|---|---|---|---|---|---|---|"]
