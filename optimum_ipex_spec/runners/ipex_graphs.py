@@ -109,17 +109,7 @@ class IPEXGraphRunner(Runner):
             return output(kept_positions(logits, logits_to_keep), cache, use_cache)
         if graph is self.verify and q > 1:
             cache.reserve(past + q)  # the verify graph writes the chunk into the buffers without growing them
-        previous = torch.jit.set_fusion_strategy(GRAPH_FUSION_STRATEGY)
-        try:
-            logits, layers = graph(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                past_key_values=cache.ipex_layers,
-                position_ids=position_ids,
-            )
-        finally:
-            torch.jit.set_fusion_strategy(previous)
-        cache.replace(layers)
+        logits = self._run_graph(graph, input_ids, attention_mask, cache, position_ids)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         return output(kept_positions(logits, logits_to_keep), cache, use_cache, loss=loss)
 
@@ -202,19 +192,23 @@ class IPEXGraphRunner(Runner):
         verification); the copies' cache rows are dropped. Returns the token's logits ``[1, 1, vocab]``."""
         rows = self.step_rows
         cache.reserve(past + rows)
+        logits = self._run_graph(self.verify, input_ids.repeat(1, rows), torch.ones(1, past + rows, dtype=torch.long),
+                                 cache, position_ids + torch.arange(rows, dtype=position_ids.dtype))
+        cache.hold(past + 1)
+        return logits[:, :1]
+
+    @staticmethod
+    def _run_graph(graph, input_ids, attention_mask, cache, position_ids) -> torch.Tensor:
+        """Call ``graph`` on ``cache`` under :data:`GRAPH_FUSION_STRATEGY` and adopt the layers it returns; returns
+        the logits ``[batch, q, vocab]``."""
         previous = torch.jit.set_fusion_strategy(GRAPH_FUSION_STRATEGY)
         try:
-            logits, layers = self.verify(
-                input_ids=input_ids.repeat(1, rows),
-                attention_mask=torch.ones(1, past + rows, dtype=torch.long),
-                past_key_values=cache.ipex_layers,
-                position_ids=position_ids + torch.arange(rows, dtype=position_ids.dtype),
-            )
+            logits, layers = graph(input_ids=input_ids, attention_mask=attention_mask,
+                                   past_key_values=cache.ipex_layers, position_ids=position_ids)
         finally:
             torch.jit.set_fusion_strategy(previous)
         cache.replace(layers)
-        cache.hold(past + 1)
-        return logits[:, :1]
+        return logits
 
     def choose_step_rows(self, cache: IPEXFusedCache, rounds: int = 3) -> int:
         """Time a decode step on the decode graph and padded to :data:`PADDED_STEP_ROWS` rows (interleaved, after
