@@ -4,7 +4,9 @@ Routing (field notes: IPEX's fused attention is silently wrong for a chunk of se
 cache): prefill and one-token decode run the decode graph; a chunk of ``q > 1`` tokens on a cache of
 ``past > 0`` tokens (speculative decoding's verification) runs the verify graph, traced with
 :func:`~optimum_ipex_spec.exporters.ipex.exact_chunk_attention`; without a verify graph (or for a padded
-batch) such a chunk runs one token per call: exact, slower, logged once.
+batch) such a chunk runs one token per call: exact, slower, logged once. Where warm-up found that the verify graph
+multiplies :data:`PADDED_STEP_ROWS` rows faster than the decode graph one (:meth:`IPEXGraphRunner.choose_step_rows`),
+one-token steps and chunks shorter than that run on the verify graph padded to that many rows.
 
 Inputs are checked here before they reach IPEX's kernels, which crash the process (SIGFPE/SIGSEGV/SIGABRT) or
 return NaN instead of raising on bad shapes.
@@ -34,11 +36,12 @@ logger = logging.getLogger("optimum_ipex_spec")
 #: around our graph calls and restored after each.
 GRAPH_FUSION_STRATEGY = [("DYNAMIC", 20)]
 
-#: Rows a one-token decode step may be padded to (the token repeated) so that it runs the verify graph: some CPUs
-#: multiply a few rows faster than one. Measured on an AMD EPYC Zen 4, 1 thread, fp32 (oneDNN, the kernel of our
+#: Rows a one-token decode step, and a verification chunk of fewer tokens, may be padded to (the last token repeated)
+#: so that it runs the verify graph: some CPUs multiply a few rows faster than one or two. Measured on an AMD EPYC Zen 4, 1 thread, fp32 (oneDNN, the kernel of our
 #: fp32 export; ``python benchmarks/linear_rows.py``): SmolLM2's decoder matrices in 36 ms for 1 row, 31 for 4,
 #: 29 for 5; Qwen2.5-Coder-0.5B's in 107 ms for 1 row, 78 for 4. A whole decode step: SmolLM2 41-47 -> 37-39 ms,
-#: Qwen 0.5B 139-153 -> 116-131 ms, same tokens. On a CPU with AMX, and in bf16 here, 4 rows cost more than 1.
+#: Qwen 0.5B 139-153 -> 116-131 ms, same tokens; a chunk of 2 tokens on a 300-token cache SmolLM2 51 -> 38 ms,
+#: Qwen 0.5B 160 -> 132 ms (3 tokens: 41 -> 38 ms, 141 -> 149 ms: within the noise). On a CPU with AMX, and in bf16 here, 4 rows cost more than 1.
 PADDED_STEP_ROWS = 4
 #: The padded step is chosen (at warm-up, by timing both) only when it takes at most this share of a decode step.
 PADDED_STEP_GAIN = 0.93
@@ -66,7 +69,7 @@ class IPEXGraphRunner(Runner):
     def __init__(self, decode: torch.jit.ScriptModule, verify: Optional[torch.jit.ScriptModule], config, dtype):
         self.decode = decode
         self.verify = verify
-        #: rows of a padded one-token step (1: the decode graph); chosen by :meth:`choose_step_rows`
+        #: rows that one-token steps and shorter chunks are padded to (1: none); chosen by :meth:`choose_step_rows`
         self.step_rows = 1
         self.dtype = dtype
         text_config = config.get_text_config()
@@ -99,8 +102,8 @@ class IPEXGraphRunner(Runner):
         batch, q = input_ids.shape
         past = cache.get_seq_length()
         attention_mask, position_ids, unpadded = mask_and_positions(attention_mask, position_ids, batch, past, q)
-        if q == 1 and past > 0 and self.step_rows > 1 and self.verify is not None and batch == 1 and unpadded:
-            logits = self._padded_step(input_ids, position_ids, cache, past)
+        if self._pads(past, q, batch, unpadded):
+            logits = self._padded_chunk(input_ids, position_ids, cache, past)
             loss = causal_lm_loss(logits, labels) if labels is not None else None
             return output(kept_positions(logits, logits_to_keep), cache, use_cache, loss=loss)
         graph = self.graph_for(past, q, batch, unpadded)
@@ -187,15 +190,27 @@ class IPEXGraphRunner(Runner):
             )
         return cache
 
-    def _padded_step(self, input_ids, position_ids, cache, past: int) -> torch.Tensor:
-        """One decode step run as a chunk of ``step_rows`` copies of the token on the verify graph (exact, as every
-        verification); the copies' cache rows are dropped. Returns the token's logits ``[1, 1, vocab]``."""
+    def _pads(self, past: int, q: int, batch: int, unpadded: bool) -> bool:
+        """True when a ``q``-token forward on a cache of ``past`` tokens runs padded to :attr:`step_rows` rows: a
+        padded step was chosen, ``q`` is shorter, the cache is not empty, batch 1 without padding, and the padded
+        positions stay within ``max_position_embeddings`` (past it IPEX's rotary tables give NaN, which the
+        attention's zero weights would carry into the real rows)."""
         rows = self.step_rows
+        return (0 < q < rows and past > 0 and self.verify is not None and batch == 1 and unpadded
+                and not (self.max_positions and past + rows > self.max_positions))
+
+    def _padded_chunk(self, input_ids, position_ids, cache, past: int) -> torch.Tensor:
+        """A ``q``-token step or chunk (``q < step_rows``) run on the verify graph as ``step_rows`` rows, the last
+        token repeated (exact, as every verification: causal attention keeps the real rows from seeing the copies);
+        the copies' cache rows are dropped. Returns the real tokens' logits ``[1, q, vocab]``."""
+        rows, q = self.step_rows, input_ids.shape[1]
+        padded = torch.cat([input_ids, input_ids[:, -1:].expand(1, rows - q)], dim=1)
+        positions = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, rows - q + 1, dtype=position_ids.dtype)],
+                              dim=1)
         cache.reserve(past + rows)
-        logits = self._run_graph(self.verify, input_ids.repeat(1, rows), torch.ones(1, past + rows, dtype=torch.long),
-                                 cache, position_ids + torch.arange(rows, dtype=position_ids.dtype))
-        cache.hold(past + 1)
-        return logits[:, :1]
+        logits = self._run_graph(self.verify, padded, torch.ones(1, past + rows, dtype=torch.long), cache, positions)
+        cache.hold(past + q)
+        return logits[:, :q]
 
     @staticmethod
     def _run_graph(graph, input_ids, attention_mask, cache, position_ids) -> torch.Tensor:
