@@ -45,33 +45,10 @@ def test_greedy_is_the_stock_models_whichever_way_a_step_runs(exported, arch, ro
         model.runner.step_rows = chosen
 
 
-def test_a_padded_step_gives_the_decode_graphs_logits_and_keeps_one_row(exported, tokenizer):
-    stock, model = exported("llama")
-    ids = tokenizer("The quick brown fox jumps over", return_tensors="pt").input_ids
-    chosen = model.runner.step_rows
-    try:
-        with torch.no_grad():
-            results = []
-            for rows in (1, ipex_graphs.PADDED_STEP_ROWS):
-                model.runner.step_rows = rows
-                cache = model(ids[:, :-1]).past_key_values
-                step = model(ids[:, -1:], past_key_values=cache)
-                assert step.past_key_values.get_seq_length() == ids.shape[1]
-                after = model(ids[:, :1], past_key_values=step.past_key_values)  # the next step sees one row more
-                results.append((step.logits, after.logits))
-            reference = stock(ids).logits[:, -1:]
-    finally:
-        model.runner.step_rows = chosen
-    (plain, plain_next), (padded, padded_next) = results
-    assert padded.shape == plain.shape == reference.shape
-    torch.testing.assert_close(padded, reference, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(padded_next, plain_next, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("q", [2, 3])
-def test_a_short_chunk_padded_gives_the_stock_logits_and_keeps_its_rows(exported, tokenizer, q):
-    """A verification of ``q`` < step_rows tokens runs padded: its logits are the stock model's at those positions,
-    the cache holds exactly the chunk's rows, and the next step sees them."""
+@pytest.mark.parametrize("q", [1, 2, 3])
+def test_a_padded_step_or_short_chunk_gives_the_stock_logits_and_keeps_its_rows(exported, tokenizer, q):
+    """A step (``q = 1``) or a verification of ``q`` < step_rows tokens runs padded: its logits are the stock model's
+    at those positions (and the unpadded run's), the cache holds exactly its rows, and the next step sees them."""
     stock, model = exported("llama")
     ids = tokenizer("The quick brown fox jumps over the lazy dog", return_tensors="pt").input_ids
     chosen = model.runner.step_rows
@@ -91,6 +68,7 @@ def test_a_short_chunk_padded_gives_the_stock_logits_and_keeps_its_rows(exported
     (plain, plain_next), (padded, padded_next) = results
     assert padded.shape == plain.shape == (1, q, reference.shape[-1])
     torch.testing.assert_close(padded, reference[:, -q - 1:-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(padded, plain, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(padded_next, reference[:, -1:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(padded_next, plain_next, rtol=1e-4, atol=1e-4)
 
