@@ -103,7 +103,8 @@ def test_no_padding_past_the_last_position(exported):
     try:
         assert runner._pads(last - 4, 1, 1, True) and runner._pads(last - 5, 3, 1, True)
         assert not runner._pads(last - 3, 1, 1, True) and not runner._pads(last - 3, 2, 1, True)
-        assert not runner._pads(0, 1, 1, True) and not runner._pads(10, 1, 2, True) and not runner._pads(10, 1, 1, False)
+        assert not runner._pads(0, 1, 1, True)  # prefill
+        assert not runner._pads(10, 1, 2, True) and not runner._pads(10, 1, 1, False)  # batch 2, padded batch
         with torch.no_grad():
             cache = model(torch.full((1, last - 2), 5, dtype=torch.long)).past_key_values
             step = model(torch.full((1, 1), 7, dtype=torch.long), past_key_values=cache)

@@ -36,12 +36,13 @@ logger = logging.getLogger("optimum_ipex_spec")
 #: around our graph calls and restored after each.
 GRAPH_FUSION_STRATEGY = [("DYNAMIC", 20)]
 
-#: Rows a one-token decode step, and a verification chunk of fewer tokens, may be padded to (the last token repeated)
-#: so that it runs the verify graph: some CPUs multiply a few rows faster than one or two. Measured on an AMD EPYC Zen 4, 1 thread, fp32 (oneDNN, the kernel of our
-#: fp32 export; ``python benchmarks/linear_rows.py``): SmolLM2's decoder matrices in 36 ms for 1 row, 31 for 4,
-#: 29 for 5; Qwen2.5-Coder-0.5B's in 107 ms for 1 row, 78 for 4. A whole decode step: SmolLM2 41-47 -> 37-39 ms,
-#: Qwen 0.5B 139-153 -> 116-131 ms, same tokens; a chunk of 2 tokens on a 300-token cache SmolLM2 51 -> 38 ms,
-#: Qwen 0.5B 160 -> 132 ms (3 tokens: 41 -> 38 ms, 141 -> 149 ms: within the noise). On a CPU with AMX, and in bf16 here, 4 rows cost more than 1.
+#: Rows a one-token decode step, and a verification chunk of fewer tokens, may be padded to (the last token
+#: repeated) so that it runs the verify graph: some CPUs multiply a few rows faster than one or two. Measured on an
+#: AMD EPYC Zen 4, 1 thread, fp32 (oneDNN, the kernel of our fp32 export; ``python benchmarks/linear_rows.py``):
+#: SmolLM2's decoder matrices in 36 ms for 1 row, 31 for 4, 29 for 5; Qwen2.5-Coder-0.5B's in 107 ms for 1 row, 78
+#: for 4. A whole decode step: SmolLM2 41-47 -> 37-39 ms, Qwen 0.5B 139-153 -> 116-131 ms, same tokens; a chunk of 2
+#: tokens on a 300-token cache: SmolLM2 51 -> 38 ms, Qwen 0.5B 160 -> 132 ms (3 tokens: 41 -> 38 ms, 141 -> 149 ms,
+#: within the noise). On a CPU with AMX, and in bf16 here, 4 rows cost more than 1.
 PADDED_STEP_ROWS = 4
 #: The padded step is chosen (at warm-up, by timing both) only when it takes at most this share of a decode step.
 PADDED_STEP_GAIN = 0.93
@@ -205,8 +206,8 @@ class IPEXGraphRunner(Runner):
         the copies' cache rows are dropped. Returns the real tokens' logits ``[1, q, vocab]``."""
         rows, q = self.step_rows, input_ids.shape[1]
         padded = torch.cat([input_ids, input_ids[:, -1:].expand(1, rows - q)], dim=1)
-        positions = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, rows - q + 1, dtype=position_ids.dtype)],
-                              dim=1)
+        copies = position_ids[:, -1:] + torch.arange(1, rows - q + 1, dtype=position_ids.dtype)
+        positions = torch.cat([position_ids, copies], dim=1)
         cache.reserve(past + rows)
         logits = self._run_graph(self.verify, padded, torch.ones(1, past + rows, dtype=torch.long), cache, positions)
         cache.hold(past + q)
