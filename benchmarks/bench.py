@@ -44,6 +44,8 @@ def _heavy_imports():
 
 def measure_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
     """Read bandwidth in GB/s: median of summing a ``size_mb`` fp32 tensor (one read per element)."""
+    import torch
+
     x = torch.ones(size_mb * 1024 * 1024 // 4, dtype=torch.float32)
     x.sum()
     times = []

@@ -5,7 +5,9 @@ draft; every round runs each prompt through, interleaved: stock alone, ours alon
 (``generate(assistant_model=draft)``, greedy, a constant ``k`` draft tokens per round). Per prompt, the median over
 rounds of decode tokens/s (tokens after the first / time from the first to the last token) and time to first token;
 ratios per prompt, then the median over prompts. Greedy output is compared token by token with ours alone (and
-stock's, in fp32). Memory: the process's RSS after loading everything, and its peak (VmHWM).
+stock's, in fp32). Memory: the process's RSS after loading everything, and its peak (VmHWM). Beside the plain
+rows, the one-token roofline: the target's weight bytes over the read bandwidth measured at the start of every round
+(``bench.measure_bandwidth_gbs``, the median over rounds), as in ``make bench``.
 
 Needs ``make provision-qwen``. Usage::
 
@@ -22,6 +24,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench import measure_bandwidth_gbs, weight_bytes  # benchmarks/bench.py, beside this file
 
 GB = 1 << 30
 
@@ -85,7 +89,9 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
     identical = {name: True for name, _, _ in configs}
     accepted = proposed = 0
+    bandwidth = []
     for _ in range(args.rounds):
+        bandwidth.append(measure_bandwidth_gbs())
         for i, prompt in enumerate(prompts):
             inputs = tokenizer(prompt, return_tensors="pt")
             outputs = {}
@@ -114,12 +120,15 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
             "median_ttft_s": statistics.median(t.ttft_s for i in samples[name] for t in samples[name][i]),
             "identical_to_ours_alone": identical[name],
         })
-    weight_bytes = sum(p.numel() * p.element_size() for p in stock.parameters()) if stock is not None else None
+    target_bytes = weight_bytes(stock) if stock is not None else None
+    bandwidth_gbs = statistics.median(bandwidth)
     result = {
         "target_dtype": dtype_name, "draft_dtype": str(draft_dtype).replace("torch.", ""), "k": args.k,
         "export_s": export_s, "rss_ours_gb": ours_memory["VmRSS"], "peak_rss_gb": _rss()["VmHWM"], "rows": rows,
         "acceptance_rate": accepted / proposed if proposed else None,
-        "target_weight_gb": weight_bytes / GB if weight_bytes else None,
+        "target_weight_gb": target_bytes / GB if target_bytes else None,
+        "bandwidth_gbs": bandwidth_gbs, "bandwidth_gbs_by_round": bandwidth,
+        "roofline_tok_s": bandwidth_gbs * 1e9 / target_bytes if target_bytes else None,
     }
     del stock, ours, draft, configs
     gc.collect()
@@ -135,16 +144,19 @@ def render(result) -> str:
         f"chatterbot questions, chat template), {result['rounds']} rounds interleaved in one process; medians. "
         f"torch {result['torch']}, transformers {result['transformers']}, IPEX {result['ipex']}.",
         "",
-        "| target | draft | configuration | decode tok/s | vs ours alone (worst prompt) | vs stock | TTFT s | output |",
-        "|---|---|---|---|---|---|---|---|",
+        "| target | draft | configuration | decode tok/s | vs ours alone (worst prompt) | vs stock | share of the one-token "
+        "roofline | TTFT s | output |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in result["runs"]:
         for row in run["rows"]:
             vs_stock = f"x{row['ratio_vs_stock']:.2f}" if row["ratio_vs_stock"] else "-"
+            roof = run.get("roofline_tok_s")
+            share = f"{row['median_decode_tok_s'] / roof:.0%}" if roof and "draft" not in row["config"] else "-"
             lines.append(
                 f"| {run['target_dtype']} | {run['draft_dtype'] if 'draft' in row['config'] else '-'} | "
                 f"{row['config']} | {row['median_decode_tok_s']:.2f} | x{row['ratio_vs_ours_alone']:.2f} "
-                f"(x{row['worst_ratio_vs_ours_alone']:.2f}) | {vs_stock} | {row['median_ttft_s']:.2f} | "
+                f"(x{row['worst_ratio_vs_ours_alone']:.2f}) | {vs_stock} | {share} | {row['median_ttft_s']:.2f} | "
                 f"{'identical' if row['identical_to_ours_alone'] else 'DIFFERENT'} |")
     lines += ["", "| target dtype | export s (target) | acceptance rate | process RSS after loading ours (target + draft) GB "
               "| process peak RSS so far GB |", "|---|---|---|---|---|"]
@@ -152,6 +164,16 @@ def render(result) -> str:
         acceptance = f"{run['acceptance_rate']:.1%}" if run["acceptance_rate"] is not None else "-"
         peak = f"{run['peak_rss_gb']:.2f}" if run.get("peak_rss_gb") is not None else "-"
         lines.append(f"| {run['target_dtype']} | {run['export_s']:.0f} | {acceptance} | {run['rss_ours_gb']:.2f} | {peak} |")
+    for run in result["runs"]:
+        if run.get("roofline_tok_s"):
+            lines.append("")
+            lines.append(
+                f"{run['target_dtype']}: read bandwidth {run['bandwidth_gbs']:.1f} GB/s (median of "
+                + ", ".join(f"{b:.1f}" for b in run["bandwidth_gbs_by_round"])
+                + f", one per round), target weights {run['target_weight_gb']:.2f} GB, one-token roofline "
+                f"{run['roofline_tok_s']:.2f} tok/s: the most any decoder reading every weight once per token reaches "
+                "here (the input embedding's table, of which a step reads one row, is counted, so the true bound is "
+                "somewhat higher). Only speculation, which reads the weights once for several tokens, can pass it.")
     lines += ["", "RSS after loading counts only the pages read so far: an fp32 target is the memory-mapped checkpoint, "
               "read during generation. The peak (VmHWM) is the process's, stock transformers' target included "
               "unless `--no-stock`; in the second section it includes the first's."]
