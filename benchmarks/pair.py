@@ -71,8 +71,14 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
     start = time.perf_counter()
     ours = IPEXModelForCausalLM.from_pretrained(target_path, export=True, torch_dtype=dtype)
     export_s = time.perf_counter() - start
-    draft = IPEXModelForCausalLM.from_pretrained(draft_path, export=True, torch_dtype=draft_dtype,
-                                                 **({"torch_compile": True} if args.draft_torch_compile else {}))
+    if args.draft_weights == "int8":  # weight-only int8 on our pure-PyTorch decoder, bf16 activations
+        draft = IPEXModelForCausalLM.from_transformers_model(
+            AutoModelForCausalLM.from_pretrained(draft_path, torch_dtype=torch.bfloat16), dtype=torch.bfloat16,
+            backend="torch", weights="int8", torch_compile=args.draft_torch_compile, source=draft_path)
+        draft_dtype = "int8 weights"
+    else:
+        draft = IPEXModelForCausalLM.from_pretrained(draft_path, export=True, torch_dtype=draft_dtype,
+                                                     **({"torch_compile": True} if args.draft_torch_compile else {}))
     draft.generation_config.num_assistant_tokens = args.k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
@@ -196,7 +202,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-stock", action="store_true", help="skip stock transformers (saves its memory)")
     parser.add_argument("--draft-torch-compile", action="store_true",
-                        help="the draft on the pure-PyTorch path with its one-token step compiled (bf16 draft)")
+                        help="the draft on the pure-PyTorch path with its one-token step compiled (bf16 or int8 draft)")
+    parser.add_argument("--draft-weights", default="dense", choices=["dense", "int8"],
+                        help="int8: the draft as weight-only int8 (bf16 activations) on our pure-PyTorch decoder")
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
