@@ -62,6 +62,7 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from optimum_ipex_spec import IPEXModelForCausalLM
+    from optimum_ipex_spec.checkpoint_loading import load_causal_lm
     from optimum_ipex_spec.provision import resolve_model
     from optimum_ipex_spec.utils.timing import timed_generate
 
@@ -71,9 +72,10 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
     start = time.perf_counter()
     ours = IPEXModelForCausalLM.from_pretrained(target_path, export=True, torch_dtype=dtype)
     export_s = time.perf_counter() - start
-    if args.draft_weights == "int8":  # weight-only int8 on our pure-PyTorch decoder, bf16 activations
+    if args.draft_weights == "int8":  # weight-only int8 on our pure-PyTorch decoder, bf16 activations, loaded as
+        # self_draft(weights="int8") loads it: the fp32 checkpoint converted to bf16 without holding both
         draft = IPEXModelForCausalLM.from_transformers_model(
-            AutoModelForCausalLM.from_pretrained(draft_path, torch_dtype=torch.bfloat16), dtype=torch.bfloat16,
+            load_causal_lm(draft_path, torch.bfloat16), dtype=torch.bfloat16,
             backend="torch", weights="int8", torch_compile=args.draft_torch_compile, source=draft_path)
         draft_dtype = "int8 weights"
     else:
