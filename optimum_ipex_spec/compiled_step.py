@@ -1,11 +1,23 @@
-"""A one-token decode step compiled with ``torch.compile`` (Inductor CPU), for bf16 on the pure-PyTorch path.
+"""The decode and verification steps compiled with ``torch.compile`` (Inductor CPU), fp32 or bf16, on the
+pure-PyTorch path.
 
-On this CPU (AVX512-BF16 and AMX), PyTorch's eager bf16 matrix-vector products are no faster than fp32 ones
-(42 ms for SmolLM2-135M's 121 projections per token, q/k/v and gate/up fused, against 45 ms in fp32, 1 thread):
-bf16 halves the bytes but eager does not turn that into time. Inductor with ``freezing`` and ``max_autotune`` packs
-each bf16 weight once for its AMX micro-kernel (``CppMicroGemmAMX``) and reaches 22 ms for the same projections.
-In fp32 it does not pay (41 vs 45 ms) and its rounding differs from the eager chunk forward that verifies draft
-tokens, so only bf16 is compiled (and int8 weights, with bf16 activations).
+PyTorch's eager matrix-vector products read weights far below the memory bandwidth on one thread: on an AMD EPYC
+Zen 4 (AVX512, no AMX), SmolLM2-135M's 120 fp32 decoder projections ran at 11.7 GB/s (``F.linear``, as stock
+transformers; ``torch.mv`` 11.5) while a plain ``sum`` read 24 GB/s. Inductor with ``freezing`` and ``max_autotune``
+packs each weight once for its C++ GEMM template (``CppMicroGemmFP32Vec``; in bf16 the AVX512-BF16 or AMX
+micro-kernel) and read the same projections at 23.5 GB/s: the whole SmolLM2 fp32 step decodes about x2.2 faster
+than stock, bf16 x4 (docs/benchmarks-torch-compile.md). From torch 2.13 only the C++ templates are offered to the autotuner
+(``max_autotune_gemm_backends="CPP"``, :data:`CPP_ONLY_FROM_TORCH`).
+
+A graph of :data:`CHUNK_ROWS` tokens serves the target's verification of draft tokens (and a draft's catch-up); a
+longer chunk runs in pieces, the last one padded (its last token repeated at the next rows, which the cache does not
+count). In fp32 a single token runs on that graph too, padded: a token's logits are then the same bits whether it is
+decoded alone or verified in a chunk, so speculative decoding and prompt lookup return exactly the target's own
+greedy tokens by construction (tests/test_compiled_step.py), with one graph to compile and hold; it costs 12% of a
+decode step (SmolLM2 fp32). In bf16 a single token has a 1-token graph of its own (28% faster there; bf16 targets are
+not bit-exact anyway, docs/assisted-generation.md), and the chunk graph compiles at the first chunk. Against the
+eager decoder both agree to rounding (Inductor vectorizes reductions of one row and of four differently). The
+prefill stays on the eager decoder, as stock's.
 
 The step is written like pytorch-labs/gpt-fast's: the keys/values of the new token are written in place into
 the :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` buffers at the cache's length, and attention
@@ -18,8 +30,8 @@ With int8 weights (``weights="int8"``, a draft) the projections are the decoder'
 :class:`~optimum_ipex_spec.int8_weights.Int8Weight` matrices (fused q/k/v and gate/up), multiplied by
 ``torch.ops.aten._weight_int8pack_mm``, which Inductor lowers to its own GEMM template with the scales as an epilogue.
 
-Only what it is built for goes through it: batch 1, one token, no padding. Prefill and verification chunks stay
-on :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder`.
+Only what it is built for goes through it: batch 1, no padding, one token or a chunk on a non-empty cache.
+Everything else runs :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder`.
 """
 
 from __future__ import annotations
@@ -40,11 +52,23 @@ from .torch_model import TorchCausalLMDecoder
 logger = logging.getLogger(__name__)
 
 #: Inductor settings the step compiles under (applied around each call, so a recompile uses them too; the
-#: process-wide ``torch._inductor.config`` is left as it was): frozen, prepacked weights; GEMM templates chosen
-#: by measuring; the autotuner's tables not printed to stderr
+#: process-wide ``torch._inductor.config`` is left as it was): frozen, prepacked weights; Inductor's C++ GEMM
+#: templates, their blockings chosen by measuring; the autotuner's tables not printed to stderr
 INDUCTOR_SETTINGS = {"freezing": True, "max_autotune": True, "autotune_num_choices_displayed": 0,
                      "max_autotune_report_choices_stats": False}
 
+
+#: tokens per call of the verification graph: a chunk of draft tokens runs in pieces of this many rows, the last one
+#: padded. Measured on SmolLM2-135M's 120 fp32 decoder projections alone (1 thread, AMD EPYC Zen 4, C++ templates):
+#: 1 row 21 ms, 4 rows 18, 6 rows 40, 8 rows 51 (the template's row block is 4). The whole step on a 300-token cache,
+#: 1-token graph against a token padded to 4 rows: fp32 28.9 vs 32.5 ms, bf16 20.3 vs 28.5 ms.
+CHUNK_ROWS = 4
+
+#: from this torch on (where it was measured), only Inductor's C++ GEMM templates are offered to the autotuner:
+#: SmolLM2's fp32 projections on 4 rows ran in 18 ms so against 25 ms with ATen's kernels also offered (one family
+#: for every row count, and compiles take a fraction of the time); torch 2.8's template failed to compile (a C++
+#: error) for a tiny bf16 model, where the ATen choice is the fallback
+CPP_ONLY_FROM_TORCH = "2.13"
 
 #: the oldest torch whose Inductor has the CPU AMX bf16 GEMM template the step relies on
 MIN_TORCH_FOR_COMPILE = "2.6"
@@ -85,12 +109,9 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
     if not TorchCausalLMDecoder.supports(model):
         raise ValueError(f"torch_compile=True needs an architecture our decoder runs; {type(model).__name__} runs on "
                          "transformers' forward. Drop torch_compile.")
-    if dtype != torch.bfloat16:
-        raise ValueError(f"torch_compile=True compiles bf16 models only (got {dtype}): in fp32 the compiled step is "
-                         "no faster on this CPU and rounds differently from the eager verification of draft tokens, "
-                         "which would make speculative decoding inexact. Load the checkpoint with "
-                         "torch_dtype=torch.bfloat16 (a saved fp32 export needs a new export in bf16 from its "
-                         "checkpoint), or drop torch_compile.")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"torch_compile=True compiles fp32 and bf16 models (got {dtype}): load the checkpoint with "
+                         "torch_dtype=torch.float32 or torch.bfloat16, or drop torch_compile.")
     if Version(torch.__version__.split("+")[0]) < Version(MIN_TORCH_FOR_COMPILE):
         raise ValueError(f"torch_compile=True needs torch >= {MIN_TORCH_FOR_COMPILE} (Inductor's CPU bf16 GEMM "
                          f"template); this is torch {torch.__version__}. Upgrade torch, or drop torch_compile.")
@@ -103,6 +124,12 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T + b`` on a projection's own weight and bias: Inductor picks the kernel (a head that
+    :class:`~optimum_ipex_spec.dense_weights.DenseLinear` serves in eager mode is multiplied the same way)."""
+    return F.linear(x, module.weight, module.bias)
 
 
 class _Int8Projection(torch.nn.Module):
@@ -127,7 +154,7 @@ class _Int8Projection(torch.nn.Module):
 
 
 class _DecodeStep(torch.nn.Module):
-    """Logits ``[1, 1, vocab]`` for one token, given the model's modules (and, for int8 weights, the decoder's
+    """Logits ``[1, q, vocab]`` for ``q`` tokens (q static per graph: 1 or :data:`CHUNK_ROWS`), given the model's modules (and, for int8 weights, the decoder's
     packed matrices) and a cache's per-layer buffers."""
 
     def __init__(self, model: torch.nn.Module, num_heads: int, kv_heads: int, head_dim: int,
@@ -145,18 +172,20 @@ class _DecodeStep(torch.nn.Module):
             self.lm_head = _Int8Projection(int8_head)
 
     def forward(self, input_ids, position_ids, write_at, keys, values):
-        # input_ids, position_ids: int64 [1, 1]; write_at: int64 [1] (the cache row of this token);
+        # input_ids, position_ids: int64 [1, q]; write_at: int64 [q] (the cache rows of these tokens);
         # keys/values: per layer [1, kv_heads, capacity, head_dim]
         inner, heads, kv_heads, dim = self.inner, self.num_heads, self.kv_heads, self.head_dim
+        q = input_ids.shape[1]
+        group = heads // kv_heads
         hidden = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         key_pos = torch.arange(keys[0].shape[2])
-        allowed = key_pos <= write_at
+        allowed = key_pos[None, :] <= write_at[:, None]  # [q, capacity]: causal over the cache rows
         if self.sliding_window is not None:
-            allowed = allowed & (key_pos > write_at - self.sliding_window)
-        mask = allowed[None, None, None, :]
-        group = heads // kv_heads
+            allowed = allowed & (key_pos[None, :] > write_at[:, None] - self.sliding_window)
+        # one query row per (head of a key/value group, token): the mask repeats per head of the group
+        mask = allowed[None].expand(group, q, -1).reshape(1, 1, group * q, -1)
         for index, layer in enumerate(inner.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -164,38 +193,43 @@ class _DecodeStep(torch.nn.Module):
                 qkv_m, o_m, gate_up_m, down_m = self.int8_layers[index]
                 query, key, value = qkv_m(x).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
             else:
-                query, key, value = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-            query = query.view(1, 1, heads, dim).transpose(1, 2)
-            key = key.view(1, 1, kv_heads, dim).transpose(1, 2)
-            value = value.view(1, 1, kv_heads, dim).transpose(1, 2)
+                query, key, value = _linear(attn.q_proj, x), _linear(attn.k_proj, x), _linear(attn.v_proj, x)
+            query = query.view(1, q, heads, dim).transpose(1, 2)
+            key = key.view(1, q, kv_heads, dim).transpose(1, 2)
+            value = value.view(1, q, kv_heads, dim).transpose(1, 2)
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin
             keys[index].index_copy_(2, write_at, key)
             values[index].index_copy_(2, write_at, value)
-            # the heads that share a key/value head are the rows of one query (grouped-query attention)
-            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group, dim), keys[index], values[index],
-                                                 attn_mask=mask, scale=dim ** -0.5)
-            out = out.reshape(1, heads, 1, dim).transpose(1, 2).reshape(1, 1, heads * dim)
+            # the heads that share a key/value head are rows of one query (grouped-query attention): SDPA's own
+            # GQA path falls back to its slow math kernel on CPU
+            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group * q, dim), keys[index],
+                                                 values[index], attn_mask=mask, scale=dim ** -0.5)
+            # [1, kv_heads, group, q, dim] -> [1, q, heads * dim] (query head = key/value head * group + g)
+            out = out.reshape(1, kv_heads, group, q, dim).permute(0, 3, 1, 2, 4).reshape(1, q, heads * dim)
             mlp = layer.mlp
             if self.int8:
                 hidden = hidden + o_m(out)
                 gate, up = gate_up_m(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
                 hidden = hidden + down_m(mlp.act_fn(gate) * up)
             else:
-                hidden = hidden + attn.o_proj(out)
+                hidden = hidden + _linear(attn.o_proj, out)
                 x = layer.post_attention_layernorm(hidden)
-                hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-        return self.lm_head(inner.norm(hidden))
+                hidden = hidden + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+        hidden = inner.norm(hidden)
+        return self.lm_head(hidden) if self.int8 else _linear(self.lm_head, hidden)
 
 
 class CompiledDecodeStep:
-    """A Llama-family model's one-token decode step on a :class:`PreallocatedKVCache`, compiled by Inductor.
+    """A Llama-family model's decode step (one token) and verification step (:data:`CHUNK_ROWS` tokens) on a
+    :class:`PreallocatedKVCache`, compiled by Inductor.
 
     Args:
-        decoder: the :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` of a bf16 model: its model's
+        decoder: the :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` of an fp32 or bf16 model: its model's
             modules (dense weights) or its int8 matrices are used, not copied; its attention geometry and window.
 
-    :meth:`compile` compiles it (tens of seconds: SmolLM2-135M 35-65 s on 1 thread; the autotuning results are cached
+    :meth:`compile` compiles the one-token graph (tens of seconds: SmolLM2-135M about a minute on 1 thread; the
+    verification graph as long again, at the first chunk or :meth:`compile_chunk`; the autotuning results are cached
     on disk, ``TORCHINDUCTOR_CACHE_DIR``, the frozen graph is not: a later process compiles again, faster) and
     returns False, logging why, when this machine cannot (no C++ compiler, an Inductor error, e.g. for a dynamic
     rope type): the caller then keeps its eager decoder. Changing ``torch.set_num_threads`` or deterministic
@@ -215,72 +249,129 @@ class CompiledDecodeStep:
         self._compiled = torch.compile(self.module, fullgraph=True)
         # the settings this torch has (older releases lack the reporting switches)
         self._settings = {k: v for k, v in INDUCTOR_SETTINGS.items() if hasattr(torch._inductor.config, k)}
+        if _torch_at_least(CPP_ONLY_FROM_TORCH):
+            self._settings["max_autotune_gemm_backends"] = "CPP"
         #: seconds the first compile took (None before :meth:`compile`)
         self.compile_seconds: Optional[float] = None
+        #: rows of the graph a single token runs on: fp32 dense (a target whose greedy output speculative decoding
+        #: must reproduce) runs it on the CHUNK_ROWS-token graph, padded, so a token's logits are the same bits
+        #: whether it is decoded alone or verified in a chunk (one graph, one compile); bf16 and int8 on a 1-token
+        #: graph of their own (faster: see CHUNK_ROWS)
+        self.step_rows = CHUNK_ROWS if self.dtype == torch.float32 and not int8 else 1
+        #: seconds the CHUNK_ROWS-token graph took to compile (None until the first chunk)
+        self.chunk_compile_seconds: Optional[float] = None
 
     @staticmethod
-    def applies(batch: int, q: int, unpadded: bool) -> bool:
-        """True for the calls this step serves: batch 1, one token, no padding."""
-        return batch == 1 and q == 1 and unpadded
+    def applies(batch: int, q: int, past: int, unpadded: bool) -> bool:
+        """True for the calls this step serves: batch 1, no padding, and one token or a chunk on a non-empty cache
+        (speculative decoding's verification, a draft's catch-up). A prefill (empty cache) stays on the eager
+        decoder, as plain generation's does."""
+        return batch == 1 and unpadded and (q == 1 or past > 0)
 
-    def compile(self) -> bool:
-        """Compile on a small scratch cache; True when it worked (then :attr:`compile_seconds` is set)."""
+    def _scratch_run(self, rows: int) -> None:
+        """Compile the graph of ``rows`` tokens on a small scratch cache whose capacity is marked dynamic."""
         cache = PreallocatedKVCache(self.num_layers, 1, self.kv_heads, self.head_dim, self.dtype, capacity=16)
         for buffer in cache.keys + cache.values:
             torch._dynamo.mark_dynamic(buffer, 2)  # any capacity runs the same graph
+        self._run([0] * rows, 0, cache, rows)
+
+    def compile(self) -> bool:
+        """Compile the graph single tokens run on (:attr:`step_rows` tokens) on a small scratch cache; True when it
+        worked (then :attr:`compile_seconds` is set). Where that is not the :data:`CHUNK_ROWS`-token graph, that one
+        compiles at the first chunk (:meth:`compile_chunk`)."""
         start = time.perf_counter()
         try:
-            self._run(0, 0, cache)
+            self._scratch_run(self.step_rows)
         except Exception as exc:  # noqa: BLE001 - Inductor raises many kinds (no compiler, codegen, a backend error)
-            logger.warning("torch.compile could not compile the bf16 decode step here (%s: %s); decoding on the "
+            logger.warning("torch.compile could not compile the decode step here (%s: %s); decoding on the "
                            "eager decoder instead.", type(exc).__name__, _first_line(exc))
             self.failed = True
             return False
         self.compile_seconds = time.perf_counter() - start
-        logger.info("Compiled the bf16 decode step with torch.compile in %.1f s.", self.compile_seconds)
+        logger.info("Compiled the %s decode step with torch.compile in %.1f s.", _dtype_name(self.dtype),
+                    self.compile_seconds)
+        return True
+
+    def compile_chunk(self) -> bool:
+        """Compile the :data:`CHUNK_ROWS`-token graph (once; tens of seconds, logged); True when it is there.
+        :meth:`__call__` does this at the first chunk; call it ahead to keep that time out of a generation."""
+        if self.chunk_compile_seconds is not None:
+            return True
+        if self.step_rows == CHUNK_ROWS:  # one graph serves both
+            self.chunk_compile_seconds = 0.0
+            return True
+        logger.info("Compiling the %d-token verification step with torch.compile (once per model)...", CHUNK_ROWS)
+        start = time.perf_counter()
+        self._scratch_run(CHUNK_ROWS)
+        self.chunk_compile_seconds = time.perf_counter() - start
+        logger.info("Compiled the %d-token verification step in %.1f s.", CHUNK_ROWS, self.chunk_compile_seconds)
         return True
 
     def __call__(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor,
                  cache: PreallocatedKVCache) -> Optional[torch.Tensor]:
-        """Logits ``[1, 1, vocab]`` (bf16) for ``input_ids`` int64 ``[1, 1]`` at ``position_ids`` int64 ``[1, 1]``;
-        writes its key/value at row ``cache.length`` and advances the cache by one. None (logged once, and
-        :attr:`failed` set) when the compiled call fails: the caller runs its eager decoder instead.
+        """Logits ``[1, q, vocab]`` (the model's dtype) for ``input_ids`` int64 ``[1, q]`` at ``position_ids``
+        int64 ``[1, q]``; writes their keys/values at rows ``cache.length ..`` and advances the cache by ``q``.
+        One token runs the :attr:`step_rows`-token graph; a chunk runs the :data:`CHUNK_ROWS`-token graph in pieces,
+        a short piece padded (its last token repeated at the next rows, which the cache then does not count and
+        later tokens overwrite).
+        None (logged once, and :attr:`failed` set) when a compiled call fails: the caller runs its eager decoder.
 
         Raises:
-            ValueError: ids that are not integers or outside the vocabulary; not one position; a cache built for
-                another model (layers, dtype, key/value heads or head size).
+            ValueError: ids that are not integers or outside the vocabulary; position_ids of another shape; a
+                cache built for another model (layers, dtype, key/value heads or head size).
         """
-        if input_ids.dtype not in (torch.int64, torch.int32) or position_ids.numel() != 1:
-            raise ValueError(f"one token needs integer input_ids [1, 1] and one position (position_ids [1, 1]); got "
-                             f"input_ids {input_ids.dtype} {tuple(input_ids.shape)}, position_ids "
+        if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.dim() != 2 or input_ids.shape[0] != 1 \
+                or tuple(position_ids.shape) != tuple(input_ids.shape):
+            raise ValueError(f"the compiled step takes integer input_ids [1, q] and position_ids of the same shape; "
+                             f"got input_ids {input_ids.dtype} {tuple(input_ids.shape)}, position_ids "
                              f"{tuple(position_ids.shape)}")
-        token = int(input_ids)
-        if not 0 <= token < self.vocab_size:
-            raise ValueError(f"token id {token} is outside the vocabulary (0 .. {self.vocab_size - 1})")
+        tokens = input_ids[0].tolist()
+        if not all(0 <= token < self.vocab_size for token in tokens):
+            raise ValueError(f"token ids {tokens} are outside the vocabulary (0 .. {self.vocab_size - 1})")
         if (len(cache.keys), cache.dtype, cache.kv_heads, cache.head_dim) != (
                 self.num_layers, self.dtype, self.kv_heads, self.head_dim):
             raise ValueError(f"this cache holds {len(cache.keys)} layers of {cache.kv_heads} x {cache.head_dim} "
                              f"{cache.dtype} keys/values; the model needs {self.num_layers} layers of {self.kv_heads} "
                              f"x {self.head_dim} {self.dtype}: build it with model.new_cache(), or let generate()")
+        first = int(position_ids[0, 0])
         try:
-            return self._run(token, int(position_ids), cache)
+            if len(tokens) == 1:
+                return self._run(tokens, first, cache, self.step_rows)
+            self.compile_chunk()
+            pieces = [self._run(tokens[i:i + CHUNK_ROWS], first + i, cache, CHUNK_ROWS)
+                      for i in range(0, len(tokens), CHUNK_ROWS)]
+            return torch.cat(pieces, dim=1)
         except Exception as exc:  # noqa: BLE001 - e.g. a recompile Inductor cannot do, at the recompile limit
-            logger.warning("The compiled bf16 decode step failed (%s: %s); decoding on the eager decoder from now on.",
+            logger.warning("The compiled decode step failed (%s: %s); decoding on the eager decoder from now on.",
                            type(exc).__name__, _first_line(exc))
             self.failed = True
             return None
 
     @torch.no_grad()
-    def _run(self, token: int, position: int, cache: PreallocatedKVCache) -> torch.Tensor:
-        past = cache.length
-        cache.reserve(max(past + 1, 2))  # a capacity of 1 would be a graph of its own (Dynamo specializes 0 and 1)
-        # autocast off: the step is bf16 already, and an autocast region would be another graph
+    def _run(self, tokens: list, position: int, cache: PreallocatedKVCache, rows: int) -> torch.Tensor:
+        """Logits ``[1, len(tokens), vocab]`` of the ``rows``-token graph for ``tokens`` (at most ``rows``; padded
+        with the last one) at positions ``position ..``; the cache advances by ``len(tokens)``."""
+        q, past = len(tokens), cache.length
+        # room for the padding rows too; a capacity of 1 would be a graph of its own (Dynamo specializes 0 and 1)
+        cache.reserve(max(past + rows, 2))
+        padded = tokens + tokens[-1:] * (rows - q)
+        # autocast off: the step is in the model's dtype already, and an autocast region would be another graph
         with torch._inductor.config.patch(self._settings), torch.autocast("cpu", enabled=False):
-            # fresh [1, 1] tensors: generate() passes slices whose strides differ, and a new stride recompiles
-            logits = self._compiled(torch.tensor([[token]]), torch.tensor([[position]]), torch.tensor([past]),
-                                    cache.keys, cache.values)
-        cache.advance(1)
-        return logits
+            # fresh tensors: generate() passes slices whose strides differ, and a new stride recompiles
+            logits = self._compiled(torch.tensor([padded]), torch.arange(position, position + rows)[None],
+                                    torch.arange(past, past + rows), cache.keys, cache.values)
+        cache.advance(q)
+        return logits if q == rows else logits[:, :q]
+
+
+def _torch_at_least(version: str) -> bool:
+    from packaging.version import Version
+
+    return Version(torch.__version__.split("+")[0]) >= Version(version)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
 def _first_line(exc: BaseException) -> str:

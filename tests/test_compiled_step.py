@@ -82,6 +82,70 @@ def test_compiled_step_tracks_the_eager_decoder_and_crops_exactly(build, dense_b
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_fp32_target_verifies_chunks_as_its_steps_decode(arch):
+    """fp32 compiled (the target of speculative decoding): tokens decoded one at a time and a chunk of 6 (4 + 2
+    padded rows) give the same logits bit for bit (one graph), and the eager decoder's logits and keys/values to fp32
+    rounding; the padding rows are not counted by the cache."""
+    def build():
+        return build_tiny(arch, vocab_size=512)
+
+    eager = IPEXModelForCausalLM.from_transformers_model(build(), backend="torch")
+    compiled = IPEXModelForCausalLM.from_transformers_model(build(), backend="torch", torch_compile=True)
+    step = compiled.runner.step
+    assert step is not None and step.compile_seconds > 0 and step.step_rows == compiled_step.CHUNK_ROWS
+    torch.manual_seed(0)
+    prompt, more = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 6))
+    caches = {name: m.runner.new_cache(1, 10) for name, m in (("eager", eager), ("steps", compiled),
+                                                              ("chunk", compiled))}
+    for name, cache in caches.items():
+        (eager if name == "eager" else compiled)(prompt, past_key_values=cache)
+    want = eager(more, past_key_values=caches["eager"]).logits
+    steps = torch.cat([compiled(more[:, i:i + 1], past_key_values=caches["steps"]).logits for i in range(6)], 1)
+    chunk = compiled(more, past_key_values=caches["chunk"]).logits
+    assert step.chunk_compile_seconds == 0 and not step.failed  # no second graph
+    assert want.shape == steps.shape == chunk.shape == (1, 6, 512) and chunk.dtype == torch.float32
+    scale = want.abs().max()
+    assert (steps - want).abs().max() <= 1e-5 * scale and (chunk - want).abs().max() <= 1e-5 * scale
+    assert torch.equal(chunk, steps)
+    assert caches["chunk"].get_seq_length() == caches["steps"].get_seq_length() == 15
+    for layer in range(len(caches["eager"].keys)):
+        for buffers in ("keys", "values"):
+            ref = getattr(caches["eager"], buffers)[layer][:, :, :15]
+            for name in ("steps", "chunk"):
+                assert torch.allclose(getattr(caches[name], buffers)[layer][:, :, :15], ref, atol=1e-5)
+
+
+def test_compiled_fp32_target_is_exact_with_a_draft_and_prompt_lookup(tiny_dir):
+    """The target compiled in fp32 decodes as stock transformers does (greedy), and assisted generation (a bf16
+    self-draft) and prompt lookup return those tokens, with their verification chunks on the compiled graphs."""
+    path = tiny_dir("llama")
+    stock = AutoModelForCausalLM.from_pretrained(path).eval()
+    target = IPEXModelForCausalLM.from_pretrained(path, export=True, backend="torch", torch_compile=True)
+    draft = target.self_draft(backend="torch")
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.assistant_confidence_threshold = 0.0  # a random model is never confident
+    assert target.runner.step.compile_chunk()  # ahead: its scratch run is not a verification
+    chunks = []
+    run = target.runner.step._run
+    target.runner.step._run = lambda tokens, *args: chunks.append(len(tokens)) or run(tokens, *args)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 1000, (1, 12))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    want = stock.generate(ids, **kwargs)
+    assert torch.equal(target.generate(ids, **kwargs), want)
+    assisted = target.generate(ids, assistant_model=draft, num_assistant_tokens_schedule="constant", **kwargs)
+    assert torch.equal(assisted, want)
+    assert draft.last_speculation_stats.proposed > 0 and any(n > 1 for n in chunks)  # compiled verification ran
+    # prompt lookup on the prompt and its continuation, then the prompt again: its n-grams recur, lookup proposes
+    ids = torch.cat([want, ids], 1)
+    kwargs["attention_mask"] = torch.ones_like(ids)
+    want = stock.generate(ids, **kwargs)
+    chunks.clear()
+    got = target.generate(ids, prompt_lookup_num_tokens=3, num_assistant_tokens_schedule="constant", **kwargs)
+    assert torch.equal(got, want) and any(n > 1 for n in chunks)
+
+
 def test_compiled_bf16_draft_keeps_an_fp32_target_exact(tiny_dir, dense_bf16_compile):
     path = tiny_dir("llama")
     target = IPEXModelForCausalLM.from_pretrained(path, export=True, backend="torch")
@@ -124,7 +188,6 @@ def test_a_failed_compile_falls_back_to_the_eager_decoder(monkeypatch, caplog, d
 
 
 @pytest.mark.parametrize("arch, dtype, kwargs, message", [
-    ("llama", torch.float32, {}, "bf16 models only"),
     ("llama", torch.bfloat16, {"backend": "ipex"}, "IPEX's fused graphs"),
     ("gpt2", torch.bfloat16, {}, "architecture our decoder runs"),
 ])

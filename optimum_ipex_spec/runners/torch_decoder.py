@@ -20,9 +20,10 @@ _EAGER_ONLY = ("inputs_embeds", "labels", "output_attentions", "output_hidden_st
 
 class TorchDecoderRunner(Runner):
     """Our decoder for plain forwards on its own cache; transformers' forward for the rest. With
-    ``torch_compile=True`` (bf16; dense or int8 weights), one-token steps of batch 1 run a
-    :class:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep` (compiled in :meth:`warmup`; the eager decoder
-    if compiling fails, logged); the eager decoder serves prefill and chunks on the model's own weights."""
+    ``torch_compile=True`` (fp32 or bf16; dense or int8 weights), one-token steps and chunks on a non-empty cache,
+    batch 1 unpadded, run a :class:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep` (the graph single
+    tokens run on compiled in :meth:`warmup`; the eager decoder if compiling fails, logged); the eager decoder serves the
+    prefill and padded batches on the model's own weights."""
 
     backend = "torch"
     can_draft = True
@@ -72,7 +73,7 @@ class TorchDecoderRunner(Runner):
         past = cache.get_seq_length()
         attention_mask, position_ids, unpadded = mask_and_positions(attention_mask, position_ids, batch, past, q)
         logits = None
-        if self.step is not None and self.step.applies(batch, q, unpadded):
+        if self.step is not None and self.step.applies(batch, q, past, unpadded):
             logits = self.step(input_ids, position_ids, cache)  # None: it failed (logged) and is off from now on
             if self.step.failed:
                 self.step = None
