@@ -5,8 +5,8 @@ PyTorch's eager matrix-vector products read weights far below the memory bandwid
 Zen 4 (AVX512, no AMX), SmolLM2-135M's 120 fp32 decoder projections ran at 11.7 GB/s (``F.linear``, as stock
 transformers; ``torch.mv`` 11.5) while a plain ``sum`` read 24 GB/s. Inductor with ``freezing`` and ``max_autotune``
 packs each weight once for its C++ GEMM template (``CppMicroGemmFP32Vec``; in bf16 the AVX512-BF16 or AMX
-micro-kernel) and read the same projections at 23.5 GB/s: the whole SmolLM2 fp32 step decodes about x2.2 faster
-than stock, bf16 x4 (docs/benchmarks-torch-compile.md). From torch 2.13 only the C++ templates are offered to the autotuner
+micro-kernel) and read the same projections at 23.5 GB/s: SmolLM2 decodes x1.87 faster than stock in fp32 (on the
+padded 4-token graph, below), x3.70 in bf16 (docs/benchmarks-torch-compile.md). From torch 2.13 only the C++ templates are offered to the autotuner
 (``max_autotune_gemm_backends="CPP"``, :data:`CPP_ONLY_FROM_TORCH`).
 
 A graph of :data:`CHUNK_ROWS` tokens serves the target's verification of draft tokens (and a draft's catch-up); a
@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .dense_weights import onednn_bf16_available
+from .facts import dtype_name
 from .int8_weights import KERNEL_K_MULTIPLE, Int8Weight
 from .torch_cache import PreallocatedKVCache
 from .torch_model import TorchCausalLMDecoder
@@ -96,13 +97,10 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
 
     Raises:
         ValueError: the IPEX backend (its graphs are fused already); an architecture our decoder does not run;
-            a dtype other than bf16 (fp32 decode does not get faster compiled here, and its rounding would differ
-            from the verification chunk's: speculative decoding would no longer be exact); a torch older than
+            a dtype other than fp32 and bf16; a torch older than
             :data:`MIN_TORCH_FOR_COMPILE`; dense bf16 weights on a CPU without oneDNN bf16
             (:func:`dense_bf16_compile_unsupported`).
     """
-    from packaging.version import Version
-
     if backend != "torch":
         raise ValueError("torch_compile=True compiles our pure-PyTorch decoder's step; this model runs on IPEX's "
                          "fused graphs. Pass backend='torch', or drop torch_compile.")
@@ -112,7 +110,7 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"torch_compile=True compiles fp32 and bf16 models (got {dtype}): load the checkpoint with "
                          "torch_dtype=torch.float32 or torch.bfloat16, or drop torch_compile.")
-    if Version(torch.__version__.split("+")[0]) < Version(MIN_TORCH_FOR_COMPILE):
+    if not _torch_at_least(MIN_TORCH_FOR_COMPILE):
         raise ValueError(f"torch_compile=True needs torch >= {MIN_TORCH_FOR_COMPILE} (Inductor's CPU bf16 GEMM "
                          f"template); this is torch {torch.__version__}. Upgrade torch, or drop torch_compile.")
     unsupported = dense_bf16_compile_unsupported() if weights == "dense" else None
@@ -288,7 +286,7 @@ class CompiledDecodeStep:
             self.failed = True
             return False
         self.compile_seconds = time.perf_counter() - start
-        logger.info("Compiled the %s decode step with torch.compile in %.1f s.", _dtype_name(self.dtype),
+        logger.info("Compiled the %s decode step with torch.compile in %.1f s.", dtype_name(self.dtype),
                     self.compile_seconds)
         return True
 
@@ -368,10 +366,6 @@ def _torch_at_least(version: str) -> bool:
     from packaging.version import Version
 
     return Version(torch.__version__.split("+")[0]) >= Version(version)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
 
 
 def _first_line(exc: BaseException) -> str:
