@@ -49,6 +49,7 @@ from .facts import dtype_name
 from .int8_weights import KERNEL_K_MULTIPLE, Int8Weight
 from .torch_cache import PreallocatedKVCache
 from .torch_model import TorchCausalLMDecoder
+from .utils.memory import return_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -286,6 +287,7 @@ class CompiledDecodeStep:
             self.failed = True
             return False
         self.compile_seconds = time.perf_counter() - start
+        return_freed_memory()  # compiling frees ~0.1 GB of temporaries (SmolLM2 fp32) that the heap would keep
         logger.info("Compiled the %s decode step with torch.compile in %.1f s.", dtype_name(self.dtype),
                     self.compile_seconds)
         return True
@@ -302,6 +304,7 @@ class CompiledDecodeStep:
         start = time.perf_counter()
         self._scratch_run(CHUNK_ROWS)
         self.chunk_compile_seconds = time.perf_counter() - start
+        return_freed_memory()
         logger.info("Compiled the %d-token verification step in %.1f s.", CHUNK_ROWS, self.chunk_compile_seconds)
         return True
 
