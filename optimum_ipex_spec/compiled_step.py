@@ -287,7 +287,7 @@ class CompiledDecodeStep:
             self.failed = True
             return False
         self.compile_seconds = time.perf_counter() - start
-        return_freed_memory()  # compiling frees ~0.1 GB of temporaries (SmolLM2 fp32) that the heap would keep
+        return_freed_memory()  # compiling frees 0.1-0.25 GiB of temporaries (SmolLM2) that the heap would keep
         logger.info("Compiled the %s decode step with torch.compile in %.1f s.", dtype_name(self.dtype),
                     self.compile_seconds)
         return True

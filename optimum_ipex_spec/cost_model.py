@@ -363,15 +363,15 @@ class CostModel:
         the cap), the fastest of its last rounds standing for its cost.
 
         ``2 k`` first and again: with a cheap draft that is nearly always right the best length is the longest, and
-        doubling reaches it soonest (SmolLM2 fp32 + bf16 self-draft, IPEX lane: k = 8). It is re-measured every time:
-        a rotation through every neighbour measured k = 8 once per call there, on a slow round, and settled on
-        k = 4-5 (x1.80 on a code prompt, x1.94 before; one run each). ``k + 1`` and ``k - 1`` once each, because a round's cost need not be linear in its length: a
-        compiled target verifies up to 4 tokens in one call (:data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS`),
-        so ``k = 3`` costs a verification no more than ``k = 2``, while the line through ``k = 2`` and ``k = 4``
-        (5 tokens: two calls) prices it between them. Measured (SmolLM2-135M fp32 compiled target, 1 thread,
-        3 prompts x 128 tokens): constant ``k = 3`` ran x1.41-1.48 over the target alone with the compiled bf16
-        self-draft and x1.75-1.85 with the int8 one, against x1.27-1.40 and x1.35-1.56 for the model exploring only
-        ``2 k``, which never measured ``k = 3``."""
+        doubling reaches it soonest (SmolLM2 fp32 + bf16 self-draft, IPEX lane: k = 8). It is re-measured every
+        time: a rotation through every neighbour measured k = 8 once per call there, on a slow round, and settled
+        on k = 4-5 (x1.80 on a code prompt, x1.94 before; one run each). ``k + 1`` and ``k - 1`` once each,
+        because a round's cost need not be linear in its length: a compiled target verifies up to 4 tokens in one
+        call (:data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS`), so ``k = 3`` costs a verification no more than
+        ``k = 2``, while the line through ``k = 2`` and ``k = 4`` (5 tokens: two calls) prices it between them and
+        exploring ``2 k`` alone never measured it. Measured (``make bench-compile``: SmolLM2-135M fp32 compiled
+        target, 1 thread, 3 prompts x 128 tokens): its compiled int8 self-draft x1.80 over the target alone, x1.56
+        before; the bf16 one x1.30, x1.29 before (constant ``k = 3``: x1.36-1.50 in a scratch run)."""
         for n in (2 * k, k + 1, k - 1):
             if 1 <= n <= self.max_tokens and n != k and round(self.verified(n)) not in self.round_times:
                 return n
