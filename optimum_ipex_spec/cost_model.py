@@ -373,7 +373,7 @@ class CostModel:
         target, 1 thread, 3 prompts x 128 tokens): its compiled int8 self-draft x1.80 over the target alone, x1.56
         before; the bf16 one x1.30, x1.29 before (constant ``k = 3``: x1.36-1.50 in a scratch run)."""
         for n in (2 * k, k + 1, k - 1):
-            if 1 <= n <= self.max_tokens and n != k and round(self.verified(n)) not in self.round_times:
+            if 1 <= n <= self.max_tokens and round(self.verified(n)) not in self.round_times:
                 return n
         return min(self.max_tokens, 2 * k) if k < self.max_tokens else max(1, k // 2)
 
