@@ -12,7 +12,9 @@ traces, got stuck at short rounds (a round of ``k`` says nothing about position 
 proposals the target gets to verify (a draft of another tokenizer proposes ``k`` of its own tokens, which become
 some other number of target tokens; a draft may stop early).
 A round that verifies ``n`` proposals costs ``T(n)``: drafting them, the target's forward over ``n + 1`` tokens and
-the loop's own work; ``n = 0`` is one plain decode step, ``E(0) = 1``. A drafting round may also yield nothing to
+the loop's own work; ``n = 0`` is one plain decode step, ``E(0) = 1``. A target that verifies in calls of a fixed
+number of tokens (a compiled step: ``CostModel.verify_rows``) costs a step function of its calls instead, plus the
+drafting time. A drafting round may also yield nothing to
 verify (a universal draft whose tokens make no new target token; prompt lookup without a match): it yields the
 target's one token and costs ``Z(k)``, its drafting time and a plain step, measured by the ``k`` chosen. A round
 choosing ``k`` is such an empty round with probability ``z`` (the empty share) and otherwise verifies ``n = s k``
@@ -196,6 +198,11 @@ class CostModel:
             fastest verification measured (a forward over ``k + 1`` tokens costs at least one over 1).
         pooled_from: the draft position from which acceptance is estimated jointly (:class:`PositionAcceptance`;
             1 = one rate for every position, the geometric model).
+        verify_rows: the most tokens the target verifies in one forward call when it runs a fixed-size graph (a
+            compiled target: :data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS`), or None. With it, a round's cost
+            is its drafting time (linear in the proposals) plus a step function of the target's calls
+            (:meth:`verify_calls`), and exploring rounds come after 6, 18, 42, ... drafting rounds
+            (:meth:`_exploration_interval`).
 
     Attributes: ``alpha`` (the first proposal's acceptance estimate); ``acceptance`` (a
     :class:`PositionAcceptance`); ``empty_share`` (decayed share of drafting rounds that yielded nothing to verify);
@@ -210,6 +217,7 @@ class CostModel:
     plain_first: bool = False
     plain_rounds: int = 0
     pooled_from: int = 1
+    verify_rows: Optional[int] = None
     accepted: float = 0.5  # pseudo-counts of the prior: the first position's acceptance starts at 0.5, worth one round
     rejections: float = 0.5
     chosen: Counter = field(default_factory=Counter)
@@ -228,10 +236,15 @@ class CostModel:
     _probe_next: bool = False
     _off_streak: int = 0
     _speculating: int = 0
+    _next_exploration: int = EXPLORE_EVERY  # the drafting round (count) of the next exploring round
+    _explorations: int = 0
     full_context_round: Optional[int] = None  # the round from which a windowed draft holds the whole context
     acceptance: Optional[PositionAcceptance] = None  # built from the settings above unless given
 
     def __post_init__(self):
+        if self.verify_rows is not None and (isinstance(self.verify_rows, bool) or not isinstance(self.verify_rows, int)
+                                             or self.verify_rows < 1):
+            raise ValueError(f"CostModel.verify_rows must be None or an integer >= 1, got {self.verify_rows!r}")
         for name, least in (("max_tokens", 1), ("first_tokens", 1), ("plain_rounds", 0), ("pooled_from", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -267,11 +280,47 @@ class CostModel:
         out), interpolated between them. Rounds are filed by what they verified, not by the ``k`` chosen: a draft
         that stops early (EOS, ``assistant_confidence_threshold``, a universal draft whose tokens make fewer target
         tokens) does less work than ``k`` asked for, and the fastest of such rounds must not price rounds that do
-        all of it."""
+        all of it. With :attr:`verify_rows` the two parts are priced apart: the drafting time linear in ``n``, the
+        verification by the target's calls (:meth:`_verify_s`)."""
+        if self.verify_rows and self.round_times:
+            return self._draft_s(n) + self._verify_s(n)
         points = _fastest(self.round_times)
         if 0 not in points and self.verify_times:  # no plain round yet: a verification costs at least one
             points[0] = min(_fastest(self.verify_times).values())
         return _interpolate(points, n)
+
+    def verify_calls(self, n: float) -> int:
+        """Forward calls of the target that verify ``n`` proposals (``n + 1`` tokens) when it verifies at most
+        :attr:`verify_rows` tokens per call (1 call for any ``n`` when ``verify_rows`` is None)."""
+        if not self.verify_rows:
+            return 1
+        return max(1, math.ceil((n + 1) / self.verify_rows - 1e-9))
+
+    def _draft_s(self, n: float) -> float:
+        """The drafting part of a round verifying ``n`` proposals: linear between the fastest measured per ``n``
+        (nothing for a plain round)."""
+        points = _fastest(self.draft_times)
+        points.setdefault(0, 0.0)
+        return _interpolate(points, n)
+
+    def _verify_s(self, n: float) -> float:
+        """The verification part (the target's forward calls and the loop's own work) of a round verifying ``n``
+        proposals, for a target that verifies :attr:`verify_rows` tokens per call: a step function of the calls
+        (:meth:`verify_calls`), the fastest measured per number of calls, linear between them; beyond the most
+        calls measured, each further call at the mean cost of those; below the fewest, as the fewest."""
+        by_calls: Dict[int, float] = {}
+        for measured, seconds in _fastest(self.verify_times).items():
+            calls = self.verify_calls(measured)
+            by_calls[calls] = min(seconds, by_calls.get(calls, seconds))
+        calls = self.verify_calls(n)
+        if calls in by_calls:
+            return by_calls[calls]
+        most, fewest = max(by_calls), min(by_calls)
+        if calls > most:
+            return by_calls[most] * calls / most
+        if calls < fewest:
+            return by_calls[fewest]
+        return _interpolate(by_calls, calls)
 
     def empty_round_s(self, k: int) -> Optional[float]:
         """Estimated seconds of a round choosing ``k`` whose draft yields nothing to verify (its drafting time and a
@@ -350,8 +399,10 @@ class CostModel:
             else:
                 self._off_streak = 0
                 self._speculating += 1
-                if self._speculating % EXPLORE_EVERY == 0:  # measure a neighbour: one noisy round can hide it
+                if self._speculating == self._next_exploration:  # measure a neighbour: one noisy round can hide it
                     k = self.neighbour(k)
+                    self._explorations += 1
+                    self._next_exploration += self._exploration_interval()
         if k == 0:
             self.rounds_off += 1
         self.chosen[k] += 1
@@ -376,6 +427,16 @@ class CostModel:
             if 1 <= n <= self.max_tokens and round(self.verified(n)) not in self.round_times:
                 return n
         return min(self.max_tokens, 2 * k) if k < self.max_tokens else max(1, k // 2)
+
+    def _exploration_interval(self) -> int:
+        """Drafting rounds from one exploring round to the next: :data:`EXPLORE_EVERY`; for a target that verifies
+        in fixed-size calls (:attr:`verify_rows`), doubling after each (6, 12, 24, ...): there a longer neighbour
+        usually needs one more call of the target (k = 3 -> 6 on 4-token calls: 4 + 3 tokens), so an exploring round
+        costs much more than a round of the best length, while the step model (:meth:`round_s`) prices every length
+        of a call count once one of them is measured."""
+        if not self.verify_rows:
+            return EXPLORE_EVERY
+        return EXPLORE_EVERY * 2 ** self._explorations
 
     @property
     def drafting_chosen(self) -> bool:

@@ -354,8 +354,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 generator.adaptive = False  # its length and pauses are the cost model's now
             cap = min(int(cap), MAX_DRAFT_TOKENS)
             # a lookup costs next to nothing: its first rounds propose the most it may (only the verification is
-            # at stake, and the long end is measured at once); a draft model starts at k0 = 2
-            self.last_cost_model = CostModel(max_tokens=cap, first_tokens=cap if lookup else 2,
+            # at stake, and the long end is measured at once); a draft model starts at k0 = 2, or, where the target
+            # verifies in fixed-size calls (a compiled step), at the k that fills one call
+            rows = self.runner.verify_rows
+            first = cap if lookup else (max(2, min(cap, rows - 1)) if rows else 2)
+            self.last_cost_model = CostModel(max_tokens=cap, first_tokens=first, verify_rows=rows,
                                              plain_first=getattr(generator, "starts_at_any_length", False))
             speculate_by_cost(generator, self.last_cost_model)
         else:

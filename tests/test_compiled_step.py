@@ -137,6 +137,11 @@ def test_compiled_fp32_target_is_exact_with_a_draft_and_prompt_lookup(tiny_dir):
     assisted = target.generate(ids, assistant_model=draft, num_assistant_tokens_schedule="constant", **kwargs)
     assert torch.equal(assisted, want)
     assert draft.last_speculation_stats.proposed > 0 and any(n > 1 for n in chunks)  # compiled verification ran
+    # the default schedule: the cost model, told that the target verifies in 4-token calls, starts at k = 3
+    assert torch.equal(target.generate(ids, assistant_model=draft, **kwargs), want)
+    model = target.last_cost_model
+    rows = compiled_step.CHUNK_ROWS
+    assert (model.verify_rows, model.first_tokens) == (rows, rows - 1), model.report()
     # prompt lookup on the prompt and its continuation, then the prompt again: its n-grams recur, lookup proposes
     ids = torch.cat([want, ids], 1)
     kwargs["attention_mask"] = torch.ones_like(ids)

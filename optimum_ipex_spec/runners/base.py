@@ -21,12 +21,16 @@ class Runner:
         can_draft: whether :class:`~optimum_ipex_spec.candidates.IPEXDraftCandidateGenerator` can drive it as a
             draft (it keeps its own cache between rounds).
         uses_transformers_cache: whether transformers' own ``DynamicCache`` is its cache (eager forward).
+        verify_rows: the most tokens one forward call verifies when they come in a fixed-size graph (a compiled step:
+            ``k`` draft tokens cost ``ceil((k + 1) / verify_rows)`` calls), or None (any number in one call, at a
+            cost that grows with it).
     """
 
     backend = "torch"
     supports_beam_search = True
     can_draft = False
     uses_transformers_cache = False
+    verify_rows: Optional[int] = None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], cache: Any,
                 position_ids: Optional[torch.Tensor], use_cache: bool, kwargs: Dict[str, Any]) -> CausalLMOutputWithPast:

@@ -8,7 +8,7 @@ requested) goes to transformers' forward (:class:`~optimum_ipex_spec.runners.eag
 from __future__ import annotations
 
 from ..compat import cache_kwarg, prepare_cache_capacity
-from ..compiled_step import CompiledDecodeStep
+from ..compiled_step import CHUNK_ROWS, CompiledDecodeStep
 from ..torch_cache import PreallocatedKVCache
 from ..torch_model import TorchCausalLMDecoder
 from .base import Runner, mask_and_positions, output, passed_to_forward
@@ -38,6 +38,12 @@ class TorchDecoderRunner(Runner):
     def warmup(self) -> None:
         if self.step is not None and not self.step.compile():
             self.step = None
+
+    @property
+    def verify_rows(self):
+        """:data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS` while the compiled step runs chunks (a longer chunk
+        runs in pieces of that many tokens), else None."""
+        return CHUNK_ROWS if self.step is not None else None
 
     def _eager(self, what: str) -> EagerRunner:
         if self.eager is None:
