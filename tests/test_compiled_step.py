@@ -149,6 +149,9 @@ def test_compiled_fp32_target_is_exact_with_a_draft_and_prompt_lookup(tiny_dir):
     chunks.clear()
     got = target.generate(ids, prompt_lookup_num_tokens=3, num_assistant_tokens_schedule="constant", **kwargs)
     assert torch.equal(got, want) and any(n > 1 for n in chunks)
+    # and under the cost model (the default schedule), which prices the lookup's rounds by the target's 4-token calls
+    assert torch.equal(target.generate(ids, prompt_lookup_num_tokens=3, **kwargs), want)
+    assert target.last_cost_model.verify_rows == compiled_step.CHUNK_ROWS
 
 
 def test_compiled_bf16_draft_keeps_an_fp32_target_exact(tiny_dir, dense_bf16_compile):
