@@ -13,7 +13,9 @@ A graph of :data:`CHUNK_ROWS` tokens serves the target's verification of draft t
 longer chunk runs in pieces, the last one padded (its last token repeated at the next rows, which the cache does not
 count). In fp32 a single token runs on that graph too, padded: a token's logits are then the same bits whether it is
 decoded alone or verified in a chunk, so speculative decoding and prompt lookup return exactly the target's own
-greedy tokens by construction (tests/test_compiled_step.py), with one graph to compile and hold; it costs 12% of a
+greedy tokens by construction (tests/test_compiled_step.py), with one graph to compile and hold (and one capacity:
+attention runs over the cache's whole capacity, and its rounding depends on it, so generate() allocates room for the
+last call's padding rows and the capacity never grows inside a generation); it costs 12% of a
 decode step (SmolLM2 fp32). In bf16 a single token has a 1-token graph of its own (28% faster there; bf16 targets are
 not bit-exact anyway, docs/assisted-generation.md), and the chunk graph compiles at the first chunk. Against the
 eager decoder both agree to rounding (Inductor vectorizes reductions of one row and of four differently). The
@@ -68,9 +70,14 @@ CHUNK_ROWS = 4
 
 #: from this torch on (where it was measured), only Inductor's C++ GEMM templates are offered to the autotuner:
 #: SmolLM2's fp32 projections on 4 rows ran in 18 ms so against 25 ms with ATen's kernels also offered (one family
-#: for every row count, and compiles take a fraction of the time); torch 2.8's template failed to compile (a C++
-#: error) for a tiny bf16 model, where the ATen choice is the fallback
+#: for every row count, and compiles take a fraction of the time)
 CPP_ONLY_FROM_TORCH = "2.13"
+
+#: the GEMM backends offered to the autotuner before :data:`CPP_ONLY_FROM_TORCH`. torch 2.8 with both: SmolLM2 fp32
+#: decodes at 28 tok/s (stock 16; ATen's kernels alone 13, slower than our eager decoder's 16), but for some tiny
+#: models its C++ template emits a kernel that does not compile (an unclosed function, seen as errors in the headers
+#: that follow it); the step then falls back to the eager decoder, logged. The tests offer ATen's alone there.
+GEMM_BACKENDS_BEFORE_CPP_ONLY = "ATEN,CPP"
 
 #: the oldest torch whose Inductor has the CPU AMX bf16 GEMM template the step relies on
 MIN_TORCH_FOR_COMPILE = "2.6"
@@ -248,8 +255,8 @@ class CompiledDecodeStep:
         self._compiled = torch.compile(self.module, fullgraph=True)
         # the settings this torch has (older releases lack the reporting switches)
         self._settings = {k: v for k, v in INDUCTOR_SETTINGS.items() if hasattr(torch._inductor.config, k)}
-        if _torch_at_least(CPP_ONLY_FROM_TORCH):
-            self._settings["max_autotune_gemm_backends"] = "CPP"
+        self._settings["max_autotune_gemm_backends"] = (
+            "CPP" if _torch_at_least(CPP_ONLY_FROM_TORCH) else GEMM_BACKENDS_BEFORE_CPP_ONLY)
         #: seconds the first compile took (None before :meth:`compile`)
         self.compile_seconds: Optional[float] = None
         #: rows of the graph a single token runs on: fp32 dense (a target whose greedy output speculative decoding

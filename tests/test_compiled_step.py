@@ -154,6 +154,33 @@ def test_compiled_fp32_target_is_exact_with_a_draft_and_prompt_lookup(tiny_dir):
     assert target.last_cost_model.verify_rows == compiled_step.CHUNK_ROWS
 
 
+def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_strategy(tmp_path):
+    """Not only the same tokens: plain greedy decoding, assisted generation (constant and default schedules) and
+    prompt lookup on a compiled fp32 target give the same logits for every generated token, the last ones included.
+    Attention runs over the cache's whole capacity, and the kernel's rounding depends on it (masked rows too), so
+    generate() sizes the cache for the compiled graphs' padding rows: with a capacity that grew at the last
+    tokens, the last 1-3 tokens' logits of this model differed between plain decoding and the other strategies."""
+    build_tiny("llama", vocab_size=512).save_pretrained(tmp_path)
+    target = IPEXModelForCausalLM.from_pretrained(str(tmp_path), export=True, backend="torch", torch_compile=True)
+    assert target.runner.step is not None
+    draft = target.self_draft(backend="torch")
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.assistant_confidence_threshold = 0.0  # a random model is never confident
+    torch.manual_seed(1)
+    ids = torch.randint(3, 500, (1, 12))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                  return_dict_in_generate=True, output_logits=True)
+    plain = target.generate(ids, **kwargs)
+    assert len(plain.logits) == 24
+    strategies = {"draft, constant k": dict(assistant_model=draft, num_assistant_tokens_schedule="constant"),
+                  "draft, cost model": dict(assistant_model=draft), "prompt lookup": dict(prompt_lookup_num_tokens=3)}
+    for name, strategy in strategies.items():
+        got = target.generate(ids, **strategy, **kwargs)
+        assert torch.equal(got.sequences, plain.sequences) and len(got.logits) == 24
+        differ = [i for i, (a, b) in enumerate(zip(got.logits, plain.logits)) if not torch.equal(a, b)]
+        assert not differ, f"{name}: the logits of generated tokens {differ} differ from plain decoding's"
+
+
 def test_compiled_bf16_draft_keeps_an_fp32_target_exact(tiny_dir, dense_bf16_compile):
     path = tiny_dir("llama")
     target = IPEXModelForCausalLM.from_pretrained(path, export=True, backend="torch")

@@ -108,4 +108,11 @@ class TorchDecoderRunner(Runner):
         if model_kwargs.get(cache_kwarg()) is not None or generation_config.use_cache is False:
             return
         # transformers_args: (assistant_model | generation_mode, batch_size, max_cache_length, ...)
-        model_kwargs[cache_kwarg()] = self.new_cache(rows, prepare_cache_capacity(transformers_args[2:]))
+        capacity = prepare_cache_capacity(transformers_args[2:])
+        if self.step is not None:
+            # room for the padding rows of the compiled graphs' last call (it starts at most at the last cached
+            # row): the capacity then never grows inside a generate(). It must not: attention runs over the whole
+            # capacity, and the kernel's rounding depends on it (masked rows included), so a token decoded after a
+            # growth and the same token verified in a chunk before it would differ in their last bits
+            capacity += CHUNK_ROWS - 1
+        model_kwargs[cache_kwarg()] = self.new_cache(rows, capacity)
