@@ -85,9 +85,7 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
         draft = IPEXModelForCausalLM.from_pretrained(draft_path, export=True, torch_dtype=draft_dtype,
                                                      **({"torch_compile": True} if args.draft_torch_compile else {}))
     for model in (ours, draft):  # a compiled step's chunk graph (a draft's catch-up, a bf16 target's verification)
-        step = getattr(model.runner, "step", None)  # compiled at load, not inside the first timed call
-        if step is not None:
-            step.compile_chunk()
+        model.compile_chunk_step()  # compiled at load, not inside the first timed call
     draft.generation_config.num_assistant_tokens = args.k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0

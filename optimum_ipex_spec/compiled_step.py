@@ -307,7 +307,8 @@ class CompiledDecodeStep:
         if self.step_rows == CHUNK_ROWS:  # one graph serves both
             self.chunk_compile_seconds = 0.0
             return True
-        logger.info("Compiling the %d-token verification step with torch.compile (once per model)...", CHUNK_ROWS)
+        logger.info("Compiling the %d-token chunk step with torch.compile (once per model; "
+                    "model.compile_chunk_step() does it ahead)...", CHUNK_ROWS)
         start = time.perf_counter()
         self._scratch_run(CHUNK_ROWS)
         self.chunk_compile_seconds = time.perf_counter() - start

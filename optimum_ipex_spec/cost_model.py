@@ -242,13 +242,14 @@ class CostModel:
     acceptance: Optional[PositionAcceptance] = None  # built from the settings above unless given
 
     def __post_init__(self):
-        if self.verify_rows is not None and (isinstance(self.verify_rows, bool) or not isinstance(self.verify_rows, int)
-                                             or self.verify_rows < 1):
-            raise ValueError(f"CostModel.verify_rows must be None or an integer >= 1, got {self.verify_rows!r}")
-        for name, least in (("max_tokens", 1), ("first_tokens", 1), ("plain_rounds", 0), ("pooled_from", 1)):
+        for name, least, optional in (("max_tokens", 1, False), ("first_tokens", 1, False), ("plain_rounds", 0, False),
+                                      ("pooled_from", 1, False), ("verify_rows", 1, True)):
             value = getattr(self, name)
+            if optional and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"CostModel.{name} must be an integer >= {least}, got {value!r}")
+                raise ValueError(f"CostModel.{name} must be {'None or ' if optional else ''}an integer >= {least}, "
+                                 f"got {value!r}")
         if not 0.0 < self.probe_budget <= 1.0:
             raise ValueError(f"CostModel.probe_budget must be a share in (0, 1], got {self.probe_budget!r}")
         if not 0.0 <= self.decay < 1.0:

@@ -271,6 +271,20 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         return self.runner.new_cache(batch_size, capacity)
 
+    def compile_chunk_step(self) -> bool:
+        """With ``torch_compile=True``: compile the 4-token graph now (tens of seconds; 40-100 s for a 0.5B model),
+        not inside the first ``generate()`` that needs it. That graph runs chunks of tokens on a non-empty cache: a
+        bf16 or int8 target's verification of draft tokens, and a draft's catch-up on the tokens it did not see
+        (a draft with its own cache; a self-draft that reads its target's cache never runs it). An fp32 model runs
+        single tokens on that graph too, so it compiled at load. Costs a second packed copy of the weights where the
+        graph is a second one (docs/memory.md).
+
+        Returns:
+            True when the graph is ready; False for a model without a compiled step (no ``torch_compile``, the IPEX
+            backend, or a compile that fell back to the eager decoder, logged).
+        """
+        return self.runner.compile_chunk_graph()
+
     # ------------------------------------------------------------------ generation hooks
     def prepare_inputs_for_generation(
         self,

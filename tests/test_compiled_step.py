@@ -302,6 +302,16 @@ def test_compiled_int8_step_tracks_the_int8_decoder():
         got = compiled(token, past_key_values=caches[1]).logits.float()
         assert (got - want).abs().max() <= 0.05 * want.abs().max()
         token = want.argmax(-1)
+    # the 4-token chunk graph (a draft's catch-up) compiled ahead through the public method, not at the first chunk
+    step = compiled.runner.step
+    assert step.step_rows == 1 and step.chunk_compile_seconds is None
+    assert compiled.compile_chunk_step() and step.chunk_compile_seconds > 0
+    torch._dynamo.utils.counters.clear()
+    chunk = compiled(ids[:, :3], past_key_values=caches[1]).logits.float()
+    want = eager(ids[:, :3], past_key_values=caches[0]).logits.float()
+    assert (chunk - want).abs().max() <= 0.05 * want.abs().max()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing compiled inside the call
+    assert not eager.compile_chunk_step()  # no compiled step: nothing to compile
 
 
 def test_each_compiled_model_has_its_own_code_and_recompile_budget():

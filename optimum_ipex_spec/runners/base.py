@@ -52,6 +52,11 @@ class Runner:
     def warmup(self) -> None:
         """Prepare the runtime for the first user call (compile, specialize); no-op by default."""
 
+    def compile_chunk_graph(self) -> bool:
+        """Compile the graph that runs chunks of tokens on a non-empty cache now rather than at the first chunk;
+        True when this runtime has such a graph and it is ready. False by default (nothing compiled lazily)."""
+        return False
+
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """transformers' causal-LM loss: logits at position t predict labels at t+1; -100 is ignored."""

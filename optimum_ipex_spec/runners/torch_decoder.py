@@ -39,6 +39,14 @@ class TorchDecoderRunner(Runner):
         if self.step is not None and not self.step.compile():
             self.step = None
 
+    def compile_chunk_graph(self) -> bool:
+        if self.step is None:
+            return False
+        ready = self.step.compile_chunk()  # a failure inside is logged by the step, which then is off
+        if self.step.failed:
+            self.step = None
+        return ready and self.step is not None
+
     @property
     def verify_rows(self):
         """:data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS` while the compiled step runs chunks (a longer chunk
