@@ -177,17 +177,18 @@ class _DecodeStep(torch.nn.Module):
                                      _Int8Projection(down)]) for qkv, bias, o, gate_up, down in int8_layers)
             self.lm_head = _Int8Projection(int8_head)
 
-    def forward(self, input_ids, position_ids, write_at, keys, values):
-        # input_ids, position_ids: int64 [1, q]; write_at: int64 [q] (the cache rows of these tokens);
-        # keys/values: per layer [1, kv_heads, capacity, head_dim]
+    def forward(self, input_ids, position_ids, write_at, key_pos, keys, values):
+        # input_ids, position_ids: int64 [1, q]; write_at: int64 [q] (the cache rows of these tokens); key_pos: int64
+        # [n], 0 .. n - 1, the cache rows attention reads (n <= capacity); keys/values: per layer
+        # [1, kv_heads, capacity, head_dim]
         inner, heads, kv_heads, dim = self.inner, self.num_heads, self.kv_heads, self.head_dim
         q = input_ids.shape[1]
         group = heads // kv_heads
         hidden = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        key_pos = torch.arange(keys[0].shape[2])
-        allowed = key_pos[None, :] <= write_at[:, None]  # [q, capacity]: causal over the cache rows
+        n = key_pos.shape[0]
+        allowed = key_pos[None, :] <= write_at[:, None]  # [q, n]: causal over the cache rows
         if self.sliding_window is not None:
             allowed = allowed & (key_pos[None, :] > write_at[:, None] - self.sliding_window)
         # one query row per (head of a key/value group, token): the mask repeats per head of the group
@@ -209,8 +210,9 @@ class _DecodeStep(torch.nn.Module):
             values[index].index_copy_(2, write_at, value)
             # the heads that share a key/value head are rows of one query (grouped-query attention): SDPA's own
             # GQA path falls back to its slow math kernel on CPU
-            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group * q, dim), keys[index],
-                                                 values[index], attn_mask=mask, scale=dim ** -0.5)
+            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group * q, dim),
+                                                 keys[index].narrow(2, 0, n), values[index].narrow(2, 0, n),
+                                                 attn_mask=mask, scale=dim ** -0.5)
             # [1, kv_heads, group, q, dim] -> [1, q, heads * dim] (query head = key/value head * group + g)
             out = out.reshape(1, kv_heads, group, q, dim).permute(0, 3, 1, 2, 4).reshape(1, q, heads * dim)
             mlp = layer.mlp
@@ -266,6 +268,12 @@ class CompiledDecodeStep:
         self.step_rows = CHUNK_ROWS if self.dtype == torch.float32 and not int8 else 1
         #: seconds the CHUNK_ROWS-token graph took to compile (None until the first chunk)
         self.chunk_compile_seconds: Optional[float] = None
+        #: whether attention reads the cache's whole capacity (masked past the tokens) rather than its filled rows:
+        #: the exact fp32 graph does, so that a token's logits do not depend on the call it comes in (the kernel's
+        #: rounding depends on the rows it reads, masked ones included, and the capacity is fixed within a
+        #: generate()); bf16 and int8 read only the filled rows (and the padding rows), so their attention costs what
+        #: the context does, not what max_new_tokens reserved
+        self.attends_capacity = self.step_rows == CHUNK_ROWS
 
     @staticmethod
     def applies(batch: int, q: int, past: int, unpadded: bool) -> bool:
@@ -279,7 +287,7 @@ class CompiledDecodeStep:
         cache = PreallocatedKVCache(self.num_layers, 1, self.kv_heads, self.head_dim, self.dtype, capacity=16)
         for buffer in cache.keys + cache.values:
             torch._dynamo.mark_dynamic(buffer, 2)  # any capacity runs the same graph
-        self._run([0] * rows, 0, cache, rows)
+        self._run([0] * rows, 0, cache, rows, scratch=True)
 
     def compile(self) -> bool:
         """Compile the graph single tokens run on (:attr:`step_rows` tokens) on a small scratch cache; True when it
@@ -357,18 +365,26 @@ class CompiledDecodeStep:
             return None
 
     @torch.no_grad()
-    def _run(self, tokens: list, position: int, cache: PreallocatedKVCache, rows: int) -> torch.Tensor:
+    def _run(self, tokens: list, position: int, cache: PreallocatedKVCache, rows: int,
+             scratch: bool = False) -> torch.Tensor:
         """Logits ``[1, len(tokens), vocab]`` of the ``rows``-token graph for ``tokens`` (at most ``rows``; padded
-        with the last one) at positions ``position ..``; the cache advances by ``len(tokens)``."""
+        with the last one) at positions ``position ..``; the cache advances by ``len(tokens)``. ``scratch``: the
+        compiling run, whose attention length is marked dynamic."""
         q, past = len(tokens), cache.length
-        # room for the padding rows too; a capacity of 1 would be a graph of its own (Dynamo specializes 0 and 1)
-        cache.reserve(max(past + rows, 2))
+        # room for the padding rows too; a capacity (or attention length) of 1 would be a graph of its own (Dynamo
+        # specializes 0 and 1). Filled rows that read fewer than the capacity keep one row free: the graph was traced
+        # on a strict part of the buffers, and the whole of them would recompile it (a contiguity guard)
+        length = max(past + rows, 2)
+        cache.reserve(length if self.attends_capacity else length + 1)
+        key_pos = torch.arange(cache.capacity if self.attends_capacity else length)
+        if scratch:
+            torch._dynamo.mark_dynamic(key_pos, 0)  # any length runs the same graph
         padded = tokens + tokens[-1:] * (rows - q)
         # autocast off: the step is in the model's dtype already, and an autocast region would be another graph
         with torch._inductor.config.patch(self._settings), torch.autocast("cpu", enabled=False):
             # fresh tensors: generate() passes slices whose strides differ, and a new stride recompiles
             logits = self._compiled(torch.tensor([padded]), torch.arange(position, position + rows)[None],
-                                    torch.arange(past, past + rows), cache.keys, cache.values)
+                                    torch.arange(past, past + rows), key_pos, cache.keys, cache.values)
         cache.advance(q)
         return logits if q == rows else logits[:, :q]
 
