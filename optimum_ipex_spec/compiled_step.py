@@ -23,9 +23,10 @@ prefill stays on the eager decoder, as stock's.
 
 The step is written like pytorch-labs/gpt-fast's: the keys/values of the new token are written in place into
 the :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` buffers at the cache's length, and attention
-runs over the whole capacity with a mask (``key position <= this position``, and the sliding window when there
-is one). The capacity is a dynamic dimension of the graph (``torch._dynamo.mark_dynamic``), so a cache of
-another size does not recompile. The projections, norms, rotary tables and activation are the model's own
+runs under a mask (``key position <= this position``, and the sliding window when there is one) over the whole
+capacity in the exact fp32 graph, over the filled rows (and padding rows) in bf16 and int8, where it then costs what
+the context does (5 us a row for SmolLM2's 30 layers), not what ``max_new_tokens`` reserved. The capacity and that
+length are dynamic dimensions of the graph (``torch._dynamo.mark_dynamic``), so neither recompiles. The projections, norms, rotary tables and activation are the model's own
 modules: the step copies no weight (Inductor's frozen graph holds one packed copy of each).
 
 With int8 weights (``weights="int8"``, a draft) the projections are the decoder's

@@ -4,14 +4,14 @@ pure-PyTorch decoder holds no copy of a weight.
 A weight stays the ``nn.Linear`` layer's ``[out, in]`` row-major tensor; what changes with the row count of
 ``x [..., in]`` is the kernel:
 
-* 1 row (a decode step): ``torch.mv`` / ``torch.addmv`` (MKL's matrix-vector product);
+* fp32, 1 row (a decode step): ``torch.mv`` / ``torch.addmv`` (MKL's matrix-vector product);
 * bf16, 2 to :data:`CHUNK_MAX_ROWS` rows (speculative decoding's verification, short prompts): the product
   computed transposed, ``(W @ x.T).T`` (``torch.mm``, then one copy of the small result);
 * fp32, an output head (at least :data:`WIDE_MIN_OUT` output rows: a vocabulary), 2 to
   :data:`WIDE_TRANSPOSED_MAX_ROWS` rows: the transposed product too;
 * fp32, :data:`FP32_ONEDNN_MIN_ROWS` to :data:`CHUNK_MAX_ROWS` rows: oneDNN's matmul on the plain weight
   (``torch.ops.mkldnn._linear_pointwise`` takes an un-reordered weight);
-* otherwise (fp32 2-3 rows, long prefills, other dtypes): ``F.linear``, as stock transformers.
+* otherwise (bf16 1 row, fp32 2-3 rows, long prefills, other dtypes): ``F.linear``, as stock transformers.
 
 Measured here, 1 thread, the sum over a model's decoder matrices (no LM head) with each multiplied once, ms
 (micro-benchmarks of the same products; weights not in cache):
@@ -30,7 +30,12 @@ bf16 ``(W @ x.T).T``                     200    199    200
 bf16 oneDNN-reordered copy        202    200    198    201    a 2nd copy (its predecessor's layout)
 ================================  =====  =====  =====  =====  ====================================
 
-SmolLM2-135M's shapes rank the same (bf16: 23 ms ``mv``, 24 ``(W @ x.T).T`` for 2-9 rows, 34 ``F.linear``;
+Remeasured on 2026-12-05 (same machine, torch 2.13 and 2.8 alike, each model's q/o/gate/up/down shapes, bf16, one
+row): ``mv`` read 5.8 (SmolLM2), 6.8 (Qwen2.5 0.5B) and 9.6 GB/s (1.5B), ``F.linear`` and ``W @ x`` 8.5, 9.8 and 11.3
+GB/s; a one-token bf16 step of SmolLM2 took 58.9 ms on ``addmv`` and 42.8 on ``F.linear``, so bf16 single rows now
+run ``F.linear`` (the table's bf16 ``mv`` row no longer holds). fp32 ``mv`` and ``F.linear`` stayed even (12 GB/s).
+
+SmolLM2-135M's shapes ranked the same then (bf16: 23 ms ``mv``, 24 ``(W @ x.T).T`` for 2-9 rows, 34 ``F.linear``;
 fp32 2-3 rows ``F.linear`` 35-38 against oneDNN 49-50). So with one copy a bf16 step or chunk is as fast as with
 the reordered copy, and in fp32 a decode step costs 7% more and a chunk 15-25% more than with two copies (on the
 whole SmolLM2 fp32 forward over a 300-token cache: 53 vs 50 ms for one token, 90 vs 69 for 5, 97 vs 78 for 9).
@@ -112,7 +117,7 @@ class DenseProjection:
         self.weight = weight.detach()
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = self.weight.shape
-        self._vector = self.weight.dtype in (torch.float32, torch.bfloat16)
+        self._vector = self.weight.dtype == torch.float32  # bf16 mv reads weights slower than F.linear (above)
         self._transposed_chunks = self.weight.dtype == torch.bfloat16
         self._wide = self.weight.dtype == torch.float32 and self.out_features >= WIDE_MIN_OUT
         self._onednn = self.weight.dtype == torch.float32 and self.weight.is_contiguous() and onednn_available()

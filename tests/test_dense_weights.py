@@ -25,7 +25,8 @@ from optimum_ipex_spec.torch_model import TorchCausalLMDecoder, kept_positions
 @pytest.mark.parametrize("rows", [1, 2, FP32_ONEDNN_MIN_ROWS, 9, CHUNK_MAX_ROWS, CHUNK_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_products_match_linear_for_every_kernel(dtype, tolerance, rows, bias):
-    """Each row count's kernel (mv / addmv, (W @ x.T).T in bf16, oneDNN on the plain weight in fp32, F.linear)
+    """Each row count's kernel (mv / addmv for one fp32 row, (W @ x.T).T in bf16, oneDNN on the plain weight in
+    fp32, F.linear)
     against fp32 F.linear, with batch 2 (the transposed bf16 product reshaped back)."""
     generator = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(64, 96, bias=bias)
