@@ -5,13 +5,12 @@ A weight stays the ``nn.Linear`` layer's ``[out, in]`` row-major tensor; what ch
 ``x [..., in]`` is the kernel:
 
 * fp32, 1 row (a decode step): ``torch.mv`` / ``torch.addmv`` (MKL's matrix-vector product);
-* bf16, 2 to :data:`CHUNK_MAX_ROWS` rows (speculative decoding's verification, short prompts): the product
-  computed transposed, ``(W @ x.T).T`` (``torch.mm``, then one copy of the small result);
 * fp32, an output head (at least :data:`WIDE_MIN_OUT` output rows: a vocabulary), 2 to
   :data:`WIDE_TRANSPOSED_MAX_ROWS` rows: the transposed product too;
 * fp32, :data:`FP32_ONEDNN_MIN_ROWS` to :data:`CHUNK_MAX_ROWS` rows: oneDNN's matmul on the plain weight
   (``torch.ops.mkldnn._linear_pointwise`` takes an un-reordered weight);
-* otherwise (bf16 1 row, fp32 2-3 rows, long prefills, other dtypes): ``F.linear``, as stock transformers.
+* otherwise (bf16 at any row count, fp32 2-3 rows, long prefills, other dtypes): ``F.linear``, as stock
+  transformers.
 
 Measured here, 1 thread, the sum over a model's decoder matrices (no LM head) with each multiplied once, ms
 (micro-benchmarks of the same products; weights not in cache):
@@ -32,8 +31,11 @@ bf16 oneDNN-reordered copy        202    200    198    201    a 2nd copy (its pr
 
 Remeasured on 2026-12-05 (same machine, torch 2.13 and 2.8 alike, each model's q/o/gate/up/down shapes, bf16, one
 row): ``mv`` read 5.8 (SmolLM2), 6.8 (Qwen2.5 0.5B) and 9.6 GB/s (1.5B), ``F.linear`` and ``W @ x`` 8.5, 9.8 and 11.3
-GB/s; a one-token bf16 step of SmolLM2 took 58.9 ms on ``addmv`` and 42.8 on ``F.linear``, so bf16 single rows now
-run ``F.linear`` (the table's bf16 ``mv`` row no longer holds). fp32 ``mv`` and ``F.linear`` stayed even (12 GB/s).
+GB/s; a one-token bf16 step of SmolLM2 took 58.9 ms on ``addmv`` and 42.8 on ``F.linear``. Chunks too: SmolLM2's
+fused decoder matrices, ``(W @ x.T).T`` against ``F.linear``, 38.3 / 25.2 ms for 2 rows, 39.3 / 35.5 for 9, 68 / 59 for
+34, even from 64 to 128, 235 / 184 for 166 (Qwen2.5 0.5B's alike); a bf16 head of 2-9 rows (49152 x 576, 151936 x
+896) 10-54 ms transposed against 6.5-41 ``F.linear``. So bf16 now runs ``F.linear`` at every row count: the table's
+bf16 rows no longer hold. fp32 ``mv`` and ``F.linear`` stayed even (12 GB/s).
 
 SmolLM2-135M's shapes ranked the same then (bf16: 23 ms ``mv``, 24 ``(W @ x.T).T`` for 2-9 rows, 34 ``F.linear``;
 fp32 2-3 rows ``F.linear`` 35-38 against oneDNN 49-50). So with one copy a bf16 step or chunk is as fast as with
@@ -117,8 +119,7 @@ class DenseProjection:
         self.weight = weight.detach()
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = self.weight.shape
-        self._vector = self.weight.dtype == torch.float32  # bf16 mv reads weights slower than F.linear (above)
-        self._transposed_chunks = self.weight.dtype == torch.bfloat16
+        self._vector = self.weight.dtype == torch.float32  # bf16: F.linear at every row count (above)
         self._wide = self.weight.dtype == torch.float32 and self.out_features >= WIDE_MIN_OUT
         self._onednn = self.weight.dtype == torch.float32 and self.weight.is_contiguous() and onednn_available()
 
@@ -139,7 +140,7 @@ class DenseProjection:
             out = torch.mv(self.weight, flat) if self.bias is None else torch.addmv(self.bias, self.weight, flat)
             return out.view(*x.shape[:-1], self.out_features)
         if rows <= CHUNK_MAX_ROWS:
-            if rows > 1 and (self._transposed_chunks or (self._wide and rows <= WIDE_TRANSPOSED_MAX_ROWS)):
+            if 1 < rows <= WIDE_TRANSPOSED_MAX_ROWS and self._wide:
                 columns = x.reshape(rows, self.in_features).t()
                 out = (torch.mm(self.weight, columns) if self.bias is None
                        else torch.addmm(self.bias.unsqueeze(1), self.weight, columns))

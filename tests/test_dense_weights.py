@@ -25,9 +25,8 @@ from optimum_ipex_spec.torch_model import TorchCausalLMDecoder, kept_positions
 @pytest.mark.parametrize("rows", [1, 2, FP32_ONEDNN_MIN_ROWS, 9, CHUNK_MAX_ROWS, CHUNK_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_products_match_linear_for_every_kernel(dtype, tolerance, rows, bias):
-    """Each row count's kernel (mv / addmv for one fp32 row, (W @ x.T).T in bf16, oneDNN on the plain weight in
-    fp32, F.linear)
-    against fp32 F.linear, with batch 2 (the transposed bf16 product reshaped back)."""
+    """Each row count's kernel (mv / addmv for one fp32 row, oneDNN on the plain weight in fp32, F.linear)
+    against fp32 F.linear, with batch 2."""
     generator = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(64, 96, bias=bias)
     with torch.no_grad():
@@ -138,8 +137,8 @@ def test_a_tied_head_multiplies_the_embedding():
 
 @pytest.mark.parametrize("available", [True, False])
 def test_fp32_and_bf16_decoders_match_transformers_with_or_without_onednn(monkeypatch, available):
-    """A prefill longer than CHUNK_MAX_ROWS (F.linear), a decode step (mv), a 9-token chunk (oneDNN in fp32,
-    transposed in bf16); without oneDNN (monkeypatched) F.linear serves the fp32 chunk."""
+    """A prefill longer than CHUNK_MAX_ROWS (F.linear), a decode step (mv in fp32), a 9-token chunk (oneDNN in fp32,
+    F.linear in bf16); without oneDNN (monkeypatched) F.linear serves the fp32 chunk."""
     if available and not onednn_available():
         pytest.skip("this torch build has no oneDNN matmul")
     monkeypatch.setattr("optimum_ipex_spec.dense_weights.onednn_available", lambda: available)
