@@ -309,7 +309,8 @@ class CompiledDecodeStep:
         return True
 
     def compile_chunk(self) -> bool:
-        """Compile the :data:`CHUNK_ROWS`-token graph (once; tens of seconds, logged); True when it is there.
+        """Compile the :data:`CHUNK_ROWS`-token graph (once; tens of seconds, logged); True when it is there. False,
+        logged, with :attr:`failed` set, when it cannot be compiled (the caller then runs its eager decoder).
         :meth:`__call__` does this at the first chunk; call it ahead to keep that time out of a generation."""
         if self.chunk_compile_seconds is not None:
             return True
@@ -319,7 +320,13 @@ class CompiledDecodeStep:
         logger.info("Compiling the %d-token chunk step with torch.compile (once per model; "
                     "model.compile_chunk_step() does it ahead)...", CHUNK_ROWS)
         start = time.perf_counter()
-        self._scratch_run(CHUNK_ROWS)
+        try:
+            self._scratch_run(CHUNK_ROWS)
+        except Exception as exc:  # noqa: BLE001 - Inductor raises many kinds (as in compile())
+            logger.warning("torch.compile could not compile the %d-token chunk step (%s: %s); decoding on the eager "
+                           "decoder instead.", CHUNK_ROWS, type(exc).__name__, _first_line(exc))
+            self.failed = True
+            return False
         self.chunk_compile_seconds = time.perf_counter() - start
         return_freed_memory()
         logger.info("Compiled the %d-token verification step in %.1f s.", CHUNK_ROWS, self.chunk_compile_seconds)
@@ -355,7 +362,8 @@ class CompiledDecodeStep:
         try:
             if len(tokens) == 1:
                 return self._run(tokens, first, cache, self.step_rows)
-            self.compile_chunk()
+            if not self.compile_chunk():  # logged; failed is set
+                return None
             pieces = [self._run(tokens[i:i + CHUNK_ROWS], first + i, cache, CHUNK_ROWS)
                       for i in range(0, len(tokens), CHUNK_ROWS)]
             return torch.cat(pieces, dim=1)

@@ -314,6 +314,28 @@ def test_compiled_int8_step_tracks_the_int8_decoder():
     assert not eager.compile_chunk_step()  # no compiled step: nothing to compile
 
 
+def test_a_chunk_graph_that_fails_to_compile_falls_back_to_the_eager_decoder(monkeypatch, caplog):
+    """compile_chunk_step() where Inductor fails: False and a warning, not the compiler's exception; the model then
+    decodes and verifies on its eager decoder."""
+    model = IPEXModelForCausalLM.from_transformers_model(build_tiny("qwen2", vocab_size=512).to(torch.bfloat16),
+                                                         backend="torch", weights="int8", torch_compile=True)
+    step = model.runner.step
+    assert step is not None and step.step_rows == 1
+
+    def fail(rows):
+        raise RuntimeError("C++ compile error")
+
+    monkeypatch.setattr(step, "_scratch_run", fail)
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.compiled_step"):
+        assert not model.compile_chunk_step()
+    assert "could not compile the 4-token chunk step" in caplog.text and "C++ compile error" in caplog.text
+    assert model.runner.step is None
+    ids = torch.randint(3, 500, (1, 8))
+    cache = model.runner.new_cache(1, 16)
+    assert model(ids, past_key_values=cache).logits.shape == (1, 8, 512)
+    assert model(ids[:, :3], past_key_values=cache).logits.shape == (1, 3, 512)  # a chunk, on the eager decoder
+
+
 def test_each_compiled_model_has_its_own_code_and_recompile_budget():
     """Dynamo's recompile limit (8) counts per code object: each step's forward is its own copy, so a process can
     hold more compiled models than that (the ninth failed before)."""

@@ -42,7 +42,7 @@ class TorchDecoderRunner(Runner):
     def compile_chunk_graph(self) -> bool:
         if self.step is None:
             return False
-        ready = self.step.compile_chunk()  # a failure inside is logged by the step, which then is off
+        ready = self.step.compile_chunk()  # False on a failure, logged by the step, which then is off
         if self.step.failed:
             self.step = None
         return ready and self.step is not None
