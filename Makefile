@@ -87,8 +87,8 @@ bench-compile:
 
 # Ours against OpenVINO GenAI (issue 15): a worker in the `openvino` lane (requirements/openvino.txt, built on
 # first use, never in CI) beside ours in LANE; OPENVINO_ARGS, e.g. "--prompts 2 --rounds 1". On the pure-PyTorch
-# path the drafts worth comparing are the compiled ones.
-OPENVINO_ARGS ?= $(if $(filter ipex28,$(LANE)),,--ours-drafts "bf16 compiled,int8 compiled")
+# path the configurations worth comparing are the compiled ones: the target and its drafts.
+OPENVINO_ARGS ?= $(if $(filter ipex28,$(LANE)),,--target-torch-compile --ours-drafts "bf16 compiled,int8 compiled")
 OPENVINO_OUT = docs/benchmarks-openvino$(if $(filter ipex28,$(LANE)),,-$(LANE))
 bench-openvino:
 	$(PY) benchmarks/vs_openvino.py --out $(OPENVINO_OUT).md --json $(OPENVINO_OUT).json $(OPENVINO_ARGS)

@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
+#: our fp32 target alone, the row every ratio of ours is taken against: the default export (IPEX's graphs where the
+#: lane has IPEX, else our eager decoder), or with ``--target-torch-compile`` the pure-PyTorch path compiled
+OURS_ALONE, OURS_COMPILED_ALONE = "ours fp32 alone", "ours fp32 compiled alone"
 
 
 # ------------------------------------------------------------------ the OpenVINO side (openvino lane)
@@ -169,7 +172,10 @@ def measure(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = chat_prompts(tokenizer, n=args.prompts)
     worker = OpenVINOWorker(python, ir_root, args.threads)
-    target = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=torch.float32)
+    # the target as a user of this lane runs it best: on the pure-PyTorch path, compiled (torch_compile=True)
+    target = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=torch.float32,
+                                                  **({"torch_compile": True} if args.target_torch_compile else {}))
+    ours_alone = OURS_COMPILED_ALONE if args.target_torch_compile else OURS_ALONE
     makers = {"bf16": lambda: target.self_draft(torch_dtype=torch.bfloat16),
               "int8": lambda: target.self_draft(weights="int8"),
               "bf16 compiled": lambda: target.self_draft(torch_dtype=torch.bfloat16, torch_compile=True),
@@ -179,8 +185,9 @@ def measure(args) -> dict:
                ("OpenVINO fp32 alone, continuous-batching pipeline", "ov", "batched alone", 0),
                ("OpenVINO int8 alone (the draft)", "ov", "draft alone", 0)]
     configs += [(f"OpenVINO fp32 + int8 draft, k={k}", "ov", "speculative", k) for k in args.draft_tokens]
-    configs += [("ours fp32 alone", "ours", None, 0)]
-    configs += [(f"ours fp32 + {name} self-draft, cost model (default)", "ours", name, 0) for name in drafts]
+    configs += [(ours_alone, "ours", None, 0)]
+    configs += [(f"{ours_alone.removesuffix(' alone')} + {name} self-draft, cost model (default)", "ours", name, 0)
+                for name in drafts]
     gen = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
     samples = {name: {i: [] for i in range(len(prompts))} for name, *_ in configs}
     warm = tokenizer(prompts[0], return_tensors="pt")
@@ -219,9 +226,9 @@ def measure(args) -> dict:
 
     rows = []
     for name, stack, what, k in configs:
-        own = "OpenVINO fp32 alone" if stack == "ov" else "ours fp32 alone"
+        own = "OpenVINO fp32 alone" if stack == "ov" else ours_alone
         rate, own_rate = per_prompt(name, "decode_tokens_per_s"), per_prompt(own, "decode_tokens_per_s")
-        ours_rate = per_prompt("ours fp32 alone", "decode_tokens_per_s")
+        ours_rate = per_prompt(ours_alone, "decode_tokens_per_s")
         total, own_total = per_prompt(name, "total_s"), per_prompt(own, "total_s")
         rows.append({
             "config": name, "stack": stack, "k": k or None,
@@ -239,13 +246,13 @@ def measure(args) -> dict:
                 _first_difference(outputs[name][i], outputs["OpenVINO fp32 alone, continuous-batching pipeline"][i])
                 for i in range(len(prompts))]} if stack == "ov" else {}),
         })
-    agree = [_common_prefix_length(outputs["OpenVINO fp32 alone"][i], outputs["ours fp32 alone"][i])
+    agree = [_common_prefix_length(outputs["OpenVINO fp32 alone"][i], outputs[ours_alone][i])
              for i in range(len(prompts))]
     return {
         "date": datetime.date.today().isoformat(),
         "command": "python " + " ".join([os.path.relpath(__file__, HERE)] + sys.argv[1:]),
         "model": args.model, "threads": args.threads, "new_tokens": args.new_tokens, "prompts": len(prompts),
-        "rounds": args.rounds,
+        "rounds": args.rounds, "ours_target": ours_alone.removesuffix(" alone"),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "ipex": ipex_status().ipex_version, **{k: v for k, v in worker.info.items() if k != "ready"}},
         "peak_rss_gb": rss,
@@ -267,6 +274,8 @@ def _common_prefix_length(a, b):
 
 def render(result: dict) -> str:
     v = result["versions"]
+    ours = result.get("ours_target", "ours fp32")
+    compiled = ours == OURS_COMPILED_ALONE.removesuffix(" alone")
     lines = [
         "# Benchmarks: ours against OpenVINO GenAI",
         "",
@@ -276,11 +285,13 @@ def render(result: dict) -> str:
         "rounds; each round runs every prompt through every configuration, OpenVINO's (a worker process in the "
         "`openvino` lane) then ours, one process waiting while the other runs; per prompt the median over rounds, "
         "then the median over prompts (worst prompt in brackets). Ours: torch "
-        f"{v['torch']}, transformers {v['transformers']}, IPEX {v['ipex'] or '-'}; OpenVINO {v.get('openvino')}, "
+        f"{v['torch']}, transformers {v['transformers']}, IPEX {v['ipex'] or '-'}"
+        + ("; the fp32 target compiled (`torch_compile=True`: the pure-PyTorch path's compiled step), its "
+           "self-drafts reading its KV cache" if compiled else "") + f"; OpenVINO {v.get('openvino')}, "
         f"openvino-genai {v.get('openvino_genai')} (IR exported by optimum-intel; the draft's weights compressed to "
         "int8 by NNCF; fp32 inference precision).",
         "",
-        "| configuration | decode tok/s | vs its own fp32 alone (worst) | vs ours fp32 alone | end to end vs its own "
+        f"| configuration | decode tok/s | vs its own fp32 alone (worst) | vs {ours} alone | end to end vs its own "
         "fp32 alone | TTFT s | acceptance rate | output vs its own fp32 alone |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -328,6 +339,8 @@ def main(argv=None):
     parser.add_argument("--draft-tokens", default="4,8", help="OpenVINO's num_assistant_tokens values")
     parser.add_argument("--ours-drafts", default="bf16,int8,int8 compiled",
                         help="our self-drafts: bf16, int8, bf16 compiled, int8 compiled (comma-separated)")
+    parser.add_argument("--target-torch-compile", action="store_true",
+                        help="our fp32 target with torch_compile=True (the pure-PyTorch path's compiled step)")
     parser.add_argument("--out", default=None, help="markdown report path")
     parser.add_argument("--json", default=None, help="machine-readable results path")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
