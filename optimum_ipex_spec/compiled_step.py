@@ -13,20 +13,24 @@ A graph of :data:`CHUNK_ROWS` tokens serves the target's verification of draft t
 longer chunk runs in pieces, the last one padded (its last token repeated at the next rows, which the cache does not
 count). In fp32 a single token runs on that graph too, padded: a token's logits are then the same bits whether it is
 decoded alone or verified in a chunk, so speculative decoding and prompt lookup return exactly the target's own
-greedy tokens by construction (tests/test_compiled_step.py), with one graph to compile and hold (and one capacity:
-attention runs over the cache's whole capacity, and its rounding depends on it, so generate() allocates room for the
-last call's padding rows and the capacity never grows inside a generation); it costs 12% of a
-decode step (SmolLM2 fp32). In bf16 a single token has a 1-token graph of its own (28% faster there; bf16 targets are
+greedy tokens by construction (tests/test_compiled_step.py), with one graph to compile and hold; it costs 12% of a
+decode step (SmolLM2 fp32). That also needs attention to round alike in every call a token can come in, so its
+length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
+:data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
+inside a generation), else the filled rows rounded up to a multiple of it, the kernel's block, where any multiple
+gives the same bits (:func:`exact_attention_length`). In bf16 a single token has a 1-token graph of its own (28% faster there; bf16 targets are
 not bit-exact anyway, docs/assisted-generation.md), and the chunk graph compiles at the first chunk. Against the
 eager decoder both agree to rounding (Inductor vectorizes reductions of one row and of four differently). The
 prefill stays on the eager decoder, as stock's.
 
 The step is written like pytorch-labs/gpt-fast's: the keys/values of the new token are written in place into
 the :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` buffers at the cache's length, and attention
-runs under a mask (``key position <= this position``, and the sliding window when there is one) over the whole
-capacity in the exact fp32 graph, over the filled rows (and padding rows) in bf16 and int8, where it then costs what
-the context does (5 us a row for SmolLM2's 30 layers), not what ``max_new_tokens`` reserved. The capacity and that
-length are dynamic dimensions of the graph (``torch._dynamo.mark_dynamic``), so neither recompiles. The projections, norms, rotary tables and activation are the model's own
+runs under a mask (``key position <= this position``, and the sliding window when there is one) over the filled rows
+(and padding rows) in bf16 and int8, over the lengths above in the exact fp32 graph: it then costs what the context
+does (5 us a row for SmolLM2's 30 layers in bf16, 9 in fp32), not what ``max_new_tokens`` reserved. The capacity and
+that length are dynamic dimensions of the graph (``torch._dynamo.mark_dynamic``), so neither recompiles; the length
+is always below the capacity (a graph traced on part of the buffers would recompile on the whole of them: a
+contiguity guard). The projections, norms, rotary tables and activation are the model's own
 modules: the step copies no weight (Inductor's frozen graph holds one packed copy of each).
 
 With int8 weights (``weights="int8"``, a draft) the projections are the decoder's
@@ -80,6 +84,13 @@ CPP_ONLY_FROM_TORCH = "2.13"
 #: that follow it); the step then falls back to the eager decoder, logged. The tests offer ATen's alone there.
 GEMM_BACKENDS_BEFORE_CPP_ONLY = "ATEN,CPP"
 
+#: rows per block of keys of SDPA's CPU kernel (flash attention, torch 2.8 and 2.13) from this many keys on; below it,
+#: all the keys are one block. Rows of a block that is wholly masked change no bit of the output, so an attention
+#: length that is a multiple of this gives the same bits whatever multiple it is: measured, 0 of 1,089 (length,
+#: position) pairs differed for each of five geometries (3 x 3, 2 x 6 and 2 x 7 query rows per key/value head, head
+#: size 64 or 128; fp32 and bf16; 1 and 2 threads), while below it 24 of 79 multiples of 64 differed
+ATTENTION_BLOCK = 512
+
 #: the oldest torch whose Inductor has the CPU AMX bf16 GEMM template the step relies on
 MIN_TORCH_FOR_COMPILE = "2.6"
 
@@ -126,6 +137,23 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
     if unsupported:
         raise ValueError(f"torch_compile=True: {unsupported}. Drop torch_compile (the eager bf16 decoder is exact), "
                          "or for a draft use self_draft(weights='int8', torch_compile=True).")
+
+
+def exact_attention_length(needed: int, capacity: int) -> int:
+    """The rows attention reads in the exact fp32 graph, for a call that needs ``needed`` rows (the cached ones, its
+    own and its padding) on a cache of ``capacity`` rows: ``capacity - 1`` while that is at most
+    :data:`ATTENTION_BLOCK` (the row left free keeps the length below the capacity; generate() sizes the capacity for
+    the whole generation, so the length is the same in every call), else ``needed`` rounded up to a multiple of
+    :data:`ATTENTION_BLOCK` (the kernel's blocks: any such length gives the same bits). Either way a token's
+    logits do not depend on the call it comes in, and attention over a long capacity costs what the context does.
+
+    Raises:
+        ValueError: ``needed`` above ``capacity - 1`` (reserve the rows first)."""
+    if needed > capacity - 1:
+        raise ValueError(f"{needed} rows needed on a cache of {capacity}: reserve {needed + 1} first")
+    if capacity - 1 <= ATTENTION_BLOCK:
+        return capacity - 1
+    return -(-needed // ATTENTION_BLOCK) * ATTENTION_BLOCK
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -269,12 +297,20 @@ class CompiledDecodeStep:
         self.step_rows = CHUNK_ROWS if self.dtype == torch.float32 and not int8 else 1
         #: seconds the CHUNK_ROWS-token graph took to compile (None until the first chunk)
         self.chunk_compile_seconds: Optional[float] = None
-        #: whether attention reads the cache's whole capacity (masked past the tokens) rather than its filled rows:
-        #: the exact fp32 graph does, so that a token's logits do not depend on the call it comes in (the kernel's
-        #: rounding depends on the rows it reads, masked ones included, and the capacity is fixed within a
-        #: generate()); bf16 and int8 read only the filled rows (and the padding rows), so their attention costs what
-        #: the context does, not what max_new_tokens reserved
-        self.attends_capacity = self.step_rows == CHUNK_ROWS
+        #: whether attention reads the lengths of :func:`exact_attention_length` (the exact fp32 graph: a token's
+        #: logits then do not depend on the call it comes in, as the kernel's rounding depends on the rows it reads,
+        #: masked ones included) rather than the filled rows (bf16 and int8)
+        self.exact = self.step_rows == CHUNK_ROWS
+
+    def generation_capacity(self, tokens: int) -> int:
+        """The cache capacity a generation of ``tokens`` tokens in all (prompt and new tokens) needs, so that it never
+        grows inside the generation: room for the last call's padding rows and the row kept free, and in the exact
+        fp32 graph above :data:`ATTENTION_BLOCK` rows for the last call's rounded-up length
+        (:func:`exact_attention_length`)."""
+        rows = tokens + CHUNK_ROWS - 1
+        if not self.exact or rows <= ATTENTION_BLOCK:
+            return rows + 1
+        return -(-rows // ATTENTION_BLOCK) * ATTENTION_BLOCK + 1
 
     @staticmethod
     def applies(batch: int, q: int, past: int, unpadded: bool) -> bool:
@@ -380,12 +416,15 @@ class CompiledDecodeStep:
         with the last one) at positions ``position ..``; the cache advances by ``len(tokens)``. ``scratch``: the
         compiling run, whose attention length is marked dynamic."""
         q, past = len(tokens), cache.length
-        # room for the padding rows too; a capacity (or attention length) of 1 would be a graph of its own (Dynamo
-        # specializes 0 and 1). Filled rows that read fewer than the capacity keep one row free: the graph was traced
-        # on a strict part of the buffers, and the whole of them would recompile it (a contiguity guard)
+        # room for the padding rows too; an attention length of 1 would be a graph of its own (Dynamo specializes 0
+        # and 1). The length stays below the capacity: the graph was traced on a strict part of the buffers, and the
+        # whole of them would recompile it (a contiguity guard)
         length = max(past + rows, 2)
-        cache.reserve(length if self.attends_capacity else length + 1)
-        key_pos = torch.arange(cache.capacity if self.attends_capacity else length)
+        cache.reserve(length + 1)
+        if self.exact:
+            length = exact_attention_length(length, cache.capacity)
+            cache.reserve(length + 1)
+        key_pos = torch.arange(length)
         if scratch:
             torch._dynamo.mark_dynamic(key_pos, 0)  # any length runs the same graph
         padded = tokens + tokens[-1:] * (rows - q)

@@ -154,24 +154,33 @@ def test_compiled_fp32_target_is_exact_with_a_draft_and_prompt_lookup(tiny_dir):
     assert target.last_cost_model.verify_rows == compiled_step.CHUNK_ROWS
 
 
-def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_strategy(tmp_path):
+@pytest.mark.parametrize("prompt_tokens", [12, 500], ids=["short-capacity", "past-one-attention-block"])
+def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_strategy(tmp_path, prompt_tokens):
     """Not only the same tokens: plain greedy decoding, assisted generation (constant and default schedules) and
     prompt lookup on a compiled fp32 target give the same logits for every generated token, the last ones included.
-    Attention runs over the cache's whole capacity, and the kernel's rounding depends on it (masked rows too), so
-    generate() sizes the cache for the compiled graphs' padding rows: with a capacity that grew at the last
-    tokens, the last 1-3 tokens' logits of this model differed between plain decoding and the other strategies."""
+    The kernel's rounding depends on the rows attention reads (masked ones too). A short generation reads the whole
+    capacity (bar one row), which generate() sizes for the compiled graphs' padding rows: with a capacity that grew
+    at the last tokens, the last 1-3 tokens' logits of this model differed between plain decoding and the other
+    strategies. A long one (500 + 24 tokens) reads the filled rows rounded up to a multiple of the kernel's block of
+    512 keys, 512 and then 1,024 rows here, and no bit changes with the length; nothing recompiles for it."""
     build_tiny("llama", vocab_size=512).save_pretrained(tmp_path)
     target = IPEXModelForCausalLM.from_pretrained(str(tmp_path), export=True, backend="torch", torch_compile=True)
     assert target.runner.step is not None
     draft = target.self_draft(backend="torch")
     draft.generation_config.num_assistant_tokens = 4
     draft.generation_config.assistant_confidence_threshold = 0.0  # a random model is never confident
+    lengths = []
+    compiled = target.runner.step._compiled
+    target.runner.step._compiled = lambda *args: lengths.append(args[3].shape[0]) or compiled(*args)
+    torch._dynamo.utils.counters.clear()
     torch.manual_seed(1)
-    ids = torch.randint(3, 500, (1, 12))
+    ids = torch.randint(3, 500, (1, prompt_tokens))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24, do_sample=False,
                   return_dict_in_generate=True, output_logits=True)
     plain = target.generate(ids, **kwargs)
     assert len(plain.logits) == 24
+    block = compiled_step.ATTENTION_BLOCK
+    assert set(lengths) == ({block, 2 * block} if prompt_tokens + 24 > block else {prompt_tokens + 24 + 2}), lengths
     strategies = {"draft, constant k": dict(assistant_model=draft, num_assistant_tokens_schedule="constant"),
                   "draft, cost model": dict(assistant_model=draft), "prompt lookup": dict(prompt_lookup_num_tokens=3)}
     for name, strategy in strategies.items():
@@ -179,6 +188,37 @@ def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_stra
         assert torch.equal(got.sequences, plain.sequences) and len(got.logits) == 24
         differ = [i for i, (a, b) in enumerate(zip(got.logits, plain.logits)) if not torch.equal(a, b)]
         assert not differ, f"{name}: the logits of generated tokens {differ} differ from plain decoding's"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+@pytest.mark.parametrize("needed, capacity, length", [
+    (4, 16, 15),  # a short capacity: all of it but the row kept free, whatever the call needs
+    (300, 310, 309), (512, 513, 512),  # up to a capacity of 513 (a length of 512)
+    (513, 514, 1024),  # one row more: whole blocks (the caller grows the cache to hold them)
+    (2, 1025, 512), (512, 1025, 512), (513, 1025, 1024), (1024, 1025, 1024),  # long: the needed rows, to 512s
+    (700, 4097, 1024),
+])
+def test_the_exact_fp32_graph_reads_the_capacity_or_whole_blocks(needed, capacity, length):
+    assert compiled_step.exact_attention_length(needed, capacity) == length
+
+
+def test_the_exact_attention_length_refuses_a_cache_without_its_free_row():
+    with pytest.raises(ValueError, match="reserve 17 first"):
+        compiled_step.exact_attention_length(16, 16)
+
+
+@pytest.mark.parametrize("tokens, exact, capacity", [
+    (21, True, 25), (509, True, 513),  # the last call's 3 padding rows and the free row
+    (510, True, 1025), (1200, True, 1537),  # past one block: whole blocks of 512 and the free row
+    (1200, False, 1204),  # bf16 / int8 read the filled rows: no rounding
+])
+def test_a_generation_gets_the_capacity_its_last_call_needs(tokens, exact, capacity):
+    step = compiled_step.CompiledDecodeStep.__new__(compiled_step.CompiledDecodeStep)
+    step.exact = exact
+    assert step.generation_capacity(tokens) == capacity
+    if exact:  # the last call starts at the last token at most, and reads no more than the capacity allows
+        last = compiled_step.exact_attention_length(tokens - 1 + compiled_step.CHUNK_ROWS, capacity)
+        assert last < capacity
 
 
 def test_compiled_bf16_draft_keeps_an_fp32_target_exact(tiny_dir, dense_bf16_compile):

@@ -118,9 +118,10 @@ class TorchDecoderRunner(Runner):
         # transformers_args: (assistant_model | generation_mode, batch_size, max_cache_length, ...)
         capacity = prepare_cache_capacity(transformers_args[2:])
         if self.step is not None:
-            # room for the padding rows of the compiled graphs' last call (it starts at most at the last cached
-            # row): the capacity then never grows inside a generate(). It must not: attention runs over the whole
-            # capacity, and the kernel's rounding depends on it (masked rows included), so a token decoded after a
-            # growth and the same token verified in a chunk before it would differ in their last bits
-            capacity += CHUNK_ROWS - 1
+            # room for the compiled graphs' last call (its padding rows, the row they keep free, and in fp32 its
+            # rounded-up attention length): the capacity then never grows inside a generate(). In the exact fp32
+            # graph it must not: attention reads the whole capacity while that is short, and the kernel's rounding
+            # depends on the rows it reads (masked ones included), so a token decoded after a growth and the same
+            # token verified in a chunk before it would differ in their last bits
+            capacity = self.step.generation_capacity(capacity)
         model_kwargs[cache_kwarg()] = self.new_cache(rows, capacity)
