@@ -330,16 +330,9 @@ class CompiledDecodeStep:
         """Compile the graph single tokens run on (:attr:`step_rows` tokens) on a small scratch cache; True when it
         worked (then :attr:`compile_seconds` is set). Where that is not the :data:`CHUNK_ROWS`-token graph, that one
         compiles at the first chunk (:meth:`compile_chunk`)."""
-        start = time.perf_counter()
-        try:
-            self._scratch_run(self.step_rows)
-        except Exception as exc:  # noqa: BLE001 - Inductor raises many kinds (no compiler, codegen, a backend error)
-            logger.warning("torch.compile could not compile the decode step here (%s: %s); decoding on the "
-                           "eager decoder instead.", type(exc).__name__, _first_line(exc))
-            self.failed = True
+        self.compile_seconds = self._compile_graph(self.step_rows, "decode step")
+        if self.compile_seconds is None:
             return False
-        self.compile_seconds = time.perf_counter() - start
-        return_freed_memory()  # compiling frees 0.1-0.25 GiB of temporaries (SmolLM2) that the heap would keep
         logger.info("Compiled the %s decode step with torch.compile in %.1f s.", dtype_name(self.dtype),
                     self.compile_seconds)
         return True
@@ -355,18 +348,26 @@ class CompiledDecodeStep:
             return True
         logger.info("Compiling the %d-token chunk step with torch.compile (once per model; "
                     "model.compile_chunk_step() does it ahead)...", CHUNK_ROWS)
-        start = time.perf_counter()
-        try:
-            self._scratch_run(CHUNK_ROWS)
-        except Exception as exc:  # noqa: BLE001 - Inductor raises many kinds (as in compile())
-            logger.warning("torch.compile could not compile the %d-token chunk step (%s: %s); decoding on the eager "
-                           "decoder instead.", CHUNK_ROWS, type(exc).__name__, _first_line(exc))
-            self.failed = True
+        self.chunk_compile_seconds = self._compile_graph(CHUNK_ROWS, f"{CHUNK_ROWS}-token chunk step")
+        if self.chunk_compile_seconds is None:
             return False
-        self.chunk_compile_seconds = time.perf_counter() - start
-        return_freed_memory()
         logger.info("Compiled the %d-token verification step in %.1f s.", CHUNK_ROWS, self.chunk_compile_seconds)
         return True
+
+    def _compile_graph(self, rows: int, what: str) -> Optional[float]:
+        """Compile the ``rows``-token graph on a scratch cache; the seconds it took, or None when Inductor could not
+        (logged as the ``what`` that falls back to the eager decoder; :attr:`failed` set)."""
+        start = time.perf_counter()
+        try:
+            self._scratch_run(rows)
+        except Exception as exc:  # noqa: BLE001 - Inductor raises many kinds (no compiler, codegen, a backend error)
+            logger.warning("torch.compile could not compile the %s here (%s: %s); decoding on the eager decoder "
+                           "instead.", what, type(exc).__name__, _first_line(exc))
+            self.failed = True
+            return None
+        seconds = time.perf_counter() - start
+        return_freed_memory()  # compiling frees 0.1-0.25 GiB of temporaries (SmolLM2) that the heap would keep
+        return seconds
 
     def __call__(self, input_ids: torch.LongTensor, position_ids: torch.LongTensor,
                  cache: PreallocatedKVCache) -> Optional[torch.Tensor]:
