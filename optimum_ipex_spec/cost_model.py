@@ -202,7 +202,7 @@ class CostModel:
             compiled target: :data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS`), or None. With it, a round's cost
             is its drafting time (linear in the proposals) plus a step function of the target's calls
             (:meth:`verify_calls`), and exploring rounds come after 6, 18, 42, ... drafting rounds
-            (:meth:`_exploration_interval`).
+            (:meth:`_explored`).
 
     Attributes: ``alpha`` (the first proposal's acceptance estimate); ``acceptance`` (a
     :class:`PositionAcceptance`); ``empty_share`` (decayed share of drafting rounds that yielded nothing to verify);
@@ -237,7 +237,7 @@ class CostModel:
     _off_streak: int = 0
     _speculating: int = 0
     _next_exploration: int = EXPLORE_EVERY  # the drafting round (count) of the next exploring round
-    _explorations: int = 0
+    _exploration_gap: int = EXPLORE_EVERY  # drafting rounds from the last exploring round to the next (_explored)
     full_context_round: Optional[int] = None  # the round from which a windowed draft holds the whole context
     acceptance: Optional[PositionAcceptance] = None  # built from the settings above unless given
 
@@ -402,8 +402,7 @@ class CostModel:
                 self._speculating += 1
                 if self._speculating == self._next_exploration:  # measure a neighbour: one noisy round can hide it
                     k = self.neighbour(k)
-                    self._explorations += 1
-                    self._next_exploration += self._exploration_interval()
+                    self._explored()
         if k == 0:
             self.rounds_off += 1
         self.chosen[k] += 1
@@ -429,15 +428,15 @@ class CostModel:
                 return n
         return min(self.max_tokens, 2 * k) if k < self.max_tokens else max(1, k // 2)
 
-    def _exploration_interval(self) -> int:
-        """Drafting rounds from one exploring round to the next: :data:`EXPLORE_EVERY`; for a target that verifies
-        in fixed-size calls (:attr:`verify_rows`), doubling after each (6, 12, 24, ...): there a longer neighbour
-        usually needs one more call of the target (k = 3 -> 6 on 4-token calls: 4 + 3 tokens), so an exploring round
-        costs much more than a round of the best length, while the step model (:meth:`round_s`) prices every length
-        of a call count once one of them is measured."""
-        if not self.verify_rows:
-            return EXPLORE_EVERY
-        return EXPLORE_EVERY * 2 ** self._explorations
+    def _explored(self) -> None:
+        """Schedule the next exploring round: :data:`EXPLORE_EVERY` drafting rounds on; for a target that verifies
+        in fixed-size calls (:attr:`verify_rows`), twice as many as last time (after 6, 18, 42, ...): there a longer
+        neighbour usually needs one more call of the target (k = 3 -> 6 on 4-token calls: 4 + 3 tokens), so an
+        exploring round costs much more than a round of the best length, while the step model (:meth:`round_s`)
+        prices every length of a call count once one of them is measured."""
+        if self.verify_rows:
+            self._exploration_gap *= 2
+        self._next_exploration += self._exploration_gap
 
     @property
     def drafting_chosen(self) -> bool:
