@@ -80,10 +80,12 @@ bench-pair-compile: provision-qwen
 	$(PY) benchmarks/pair.py --target-torch-compile --draft-torch-compile --draft-weights int8 --k 3 \
 		--out docs/benchmarks-qwen-pair-torch-compile.md --json docs/benchmarks-qwen-pair-torch-compile.json $(PAIR_COMPILE_ARGS)
 
-# the pure-PyTorch path compiled (torch_compile=True), in the torch-current lane unless LANE says otherwise
+# the pure-PyTorch path compiled (torch_compile=True), in the torch-current lane unless LANE says otherwise (a lane
+# with IPEX adds its graphs' rows: -> docs/benchmarks-torch-compile-<lane>.md)
 bench-compile: LANE = torch-current
+COMPILE_OUT = docs/benchmarks-torch-compile$(if $(filter torch-current,$(LANE)),,-$(LANE))
 bench-compile:
-	$(PY) benchmarks/compiled_step.py --out docs/benchmarks-torch-compile.md --json docs/benchmarks-torch-compile.json $(COMPILE_ARGS)
+	$(PY) benchmarks/compiled_step.py --out $(COMPILE_OUT).md --json $(COMPILE_OUT).json $(COMPILE_ARGS)
 
 # Ours against OpenVINO GenAI (issue 15): a worker in the `openvino` lane (requirements/openvino.txt, built on
 # first use, never in CI) beside ours in LANE; OPENVINO_ARGS, e.g. "--prompts 2 --rounds 1". On the pure-PyTorch
