@@ -87,8 +87,9 @@ GEMM_BACKENDS_BEFORE_CPP_ONLY = "ATEN,CPP"
 #: rows per block of keys of SDPA's CPU kernel (flash attention, torch 2.8 and 2.13) from this many keys on; below it,
 #: all the keys are one block. Rows of a block that is wholly masked change no bit of the output, so an attention
 #: length that is a multiple of this gives the same bits whatever multiple it is: measured, 0 of 1,089 (length,
-#: position) pairs differed for each of five geometries (3 x 3, 2 x 6 and 2 x 7 query rows per key/value head, head
-#: size 64 or 128; fp32 and bf16; 1 and 2 threads), while below it 24 of 79 multiples of 64 differed
+#: position) pairs differed in each of five cases (key/value heads x query heads per key/value head: 3 x 3, 2 x 6
+#: with head size 128, 2 x 7 and 8 x 4 in fp32, 3 x 3 in bf16; torch 2.13 on 1 thread, torch 2.8 on 2), while below it
+#: 24 of 79 multiples of 64 differed
 ATTENTION_BLOCK = 512
 
 #: the oldest torch whose Inductor has the CPU AMX bf16 GEMM template the step relies on
