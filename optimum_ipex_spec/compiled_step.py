@@ -5,23 +5,28 @@ PyTorch's eager matrix-vector products read weights far below the memory bandwid
 Zen 4 (AVX512, no AMX), SmolLM2-135M's 120 fp32 decoder projections ran at 11.7 GB/s (``F.linear``, as stock
 transformers; ``torch.mv`` 11.5) while a plain ``sum`` read 24 GB/s. Inductor with ``freezing`` and ``max_autotune``
 packs each weight once for its C++ GEMM template (``CppMicroGemmFP32Vec``; in bf16 the AVX512-BF16 or AMX
-micro-kernel) and read the same projections at 23.5 GB/s: SmolLM2 decodes x1.87 faster than stock in fp32 (on the
-padded 4-token graph, below), x3.70 in bf16 (docs/benchmarks-torch-compile.md). From torch 2.13 only the C++ templates are offered to the autotuner
-(``max_autotune_gemm_backends="CPP"``, :data:`CPP_ONLY_FROM_TORCH`).
+micro-kernel) and read the same projections at 23.5 GB/s: SmolLM2 decoded x1.87 faster than stock in fp32 (then on a
+padded 4-token graph), x3.70 in bf16 (docs/benchmarks-torch-compile.md). From torch 2.13 only the C++ templates are
+offered to the autotuner (``max_autotune_gemm_backends="CPP"``, :data:`CPP_ONLY_FROM_TORCH`).
 
-A graph of :data:`CHUNK_ROWS` tokens serves the target's verification of draft tokens (and a draft's catch-up); a
-longer chunk runs in pieces, the last one padded (its last token repeated at the next rows, which the cache does not
-count). In fp32 a single token runs on that graph too, padded: a token's logits are then the same bits whether it is
-decoded alone or verified in a chunk, so speculative decoding and prompt lookup return exactly the target's own
-greedy tokens by construction (tests/test_compiled_step.py), with one graph to compile and hold; it costs 12% of a
-decode step (SmolLM2 fp32). That also needs attention to round alike in every call a token can come in, so its
+Single tokens run on a 1-token graph. A graph of :data:`CHUNK_ROWS` tokens, compiled at the first chunk (or ahead,
+``compile_chunk_step()``), serves the target's verification of draft tokens (and a draft's catch-up); a longer chunk
+runs in pieces, the last one padded (its last token repeated at the next rows, which the cache does not count). Each
+graph is compiled for its own static row count. In fp32 a token's logits must be the same bits whether it is decoded
+alone or verified in a chunk, so that speculative decoding and prompt lookup return exactly the target's own greedy
+tokens (tests/test_compiled_step.py): with Inductor's C++ GEMM templates alone (torch >= 2.13) the two graphs reduce
+each row alike (measured on SmolLM2, every row of chunks of 1-4 tokens equal bit for bit), and the chunk graph is
+checked against the 1-token graph when it compiles (:meth:`CompiledDecodeStep.compile_chunk`; where they differ,
+chunks run one token at a time on the 1-token graph, logged). Where the autotuner also offers ATen's kernels (MKL's
+one-row and few-row products round differently) a single fp32 token runs padded on the chunk graph instead, one graph
+for both. The 1-token graph pays: on an Intel Xeon with AMX (1 thread, about 12 GB/s from memory) Inductor's fp32
+GEMMs read 4 rows 1.6x slower than 1, and SmolLM2's fp32 step went from 75 ms padded to 48.6 (stock: 63); on an AMD
+EPYC Zen 4 the padding cost 12%. Attention must round alike in every call a token can come in too, so its
 length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
 :data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
 inside a generation), else the filled rows rounded up to a multiple of it, the kernel's block, where any multiple
-gives the same bits (:func:`exact_attention_length`). In bf16 a single token has a 1-token graph of its own (28% faster there; bf16 targets are
-not bit-exact anyway, docs/assisted-generation.md), and the chunk graph compiles at the first chunk. Against the
-eager decoder both agree to rounding (Inductor vectorizes reductions of one row and of four differently). The
-prefill stays on the eager decoder, as stock's.
+gives the same bits (:func:`exact_attention_length`). bf16 targets are not bit-exact anyway (docs/assisted-generation.md).
+Against the eager decoder both agree to rounding. The prefill stays on the eager decoder, as stock's.
 
 The step is written like pytorch-labs/gpt-fast's: the keys/values of the new token are written in place into
 the :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` buffers at the cache's length, and attention
@@ -284,24 +289,28 @@ class CompiledDecodeStep:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         #: True once a compiled call failed (e.g. a recompile Inductor could not do): the eager decoder runs instead
         self.failed = False
-        self._compiled = torch.compile(self.module, fullgraph=True)
+        self._compiled = torch.compile(self.module, fullgraph=True, options=_guard_options())
         # the settings this torch has (older releases lack the reporting switches)
         self._settings = {k: v for k, v in INDUCTOR_SETTINGS.items() if hasattr(torch._inductor.config, k)}
         self._settings["max_autotune_gemm_backends"] = (
             "CPP" if _torch_at_least(CPP_ONLY_FROM_TORCH) else GEMM_BACKENDS_BEFORE_CPP_ONLY)
         #: seconds the first compile took (None before :meth:`compile`)
         self.compile_seconds: Optional[float] = None
-        #: rows of the graph a single token runs on: fp32 dense (a target whose greedy output speculative decoding
-        #: must reproduce) runs it on the CHUNK_ROWS-token graph, padded, so a token's logits are the same bits
-        #: whether it is decoded alone or verified in a chunk (one graph, one compile); bf16 and int8 on a 1-token
-        #: graph of their own (faster: see CHUNK_ROWS)
-        self.step_rows = CHUNK_ROWS if self.dtype == torch.float32 and not int8 else 1
-        #: seconds the CHUNK_ROWS-token graph took to compile (None until the first chunk)
-        self.chunk_compile_seconds: Optional[float] = None
-        #: whether attention reads the lengths of :func:`exact_attention_length` (the exact fp32 graph: a token's
+        #: whether attention reads the lengths of :func:`exact_attention_length` (the exact fp32 graphs: a token's
         #: logits then do not depend on the call it comes in, as the kernel's rounding depends on the rows it reads,
         #: masked ones included) rather than the filled rows (bf16 and int8)
-        self.exact = self.step_rows == CHUNK_ROWS
+        self.exact = self.dtype == torch.float32 and not int8
+        #: rows of the graph a single token runs on: 1, its own static graph (Inductor picks each GEMM's blocking for
+        #: one row), except in the exact fp32 step where ATen's kernels are offered to the autotuner too (before
+        #: CPP_ONLY_FROM_TORCH): MKL's one-row and few-row products round differently, so a token runs padded on the
+        #: CHUNK_ROWS-token graph, one graph for both (its logits the same bits decoded alone or verified)
+        self.step_rows = CHUNK_ROWS if self.exact and self._settings["max_autotune_gemm_backends"] != "CPP" else 1
+        #: seconds the CHUNK_ROWS-token graph took to compile (None until the first chunk)
+        self.chunk_compile_seconds: Optional[float] = None
+        #: exact fp32 only: whether the chunk graph gives each row the same bits as the graph single tokens run on
+        #: (checked when it compiles, :meth:`_chunk_matches_steps`; True when that is the same graph); False: chunks run
+        #: one token at a time on the 1-token graph
+        self.chunk_exact: Optional[bool] = True if self.step_rows == CHUNK_ROWS else None
 
     def generation_capacity(self, tokens: int) -> int:
         """The cache capacity a generation of ``tokens`` tokens in all (prompt and new tokens) needs, so that it never
@@ -341,7 +350,12 @@ class CompiledDecodeStep:
     def compile_chunk(self) -> bool:
         """Compile the :data:`CHUNK_ROWS`-token graph (once; tens of seconds, logged); True when it is there. False,
         logged, with :attr:`failed` set, when it cannot be compiled (the caller then runs its eager decoder).
-        :meth:`__call__` does this at the first chunk; call it ahead to keep that time out of a generation."""
+        :meth:`__call__` does this at the first chunk; call it ahead to keep that time out of a generation.
+
+        In the exact fp32 step the new graph is then checked against the 1-token one (:meth:`_chunk_matches_steps`):
+        where a row's logits differ in any bit, chunks run one token at a time on the 1-token graph from then on
+        (:attr:`chunk_exact` False, logged): still the target's own greedy tokens, but a verification then costs a
+        step per token, so drafting does not pay."""
         if self.chunk_compile_seconds is not None:
             return True
         if self.step_rows == CHUNK_ROWS:  # one graph serves both
@@ -353,7 +367,32 @@ class CompiledDecodeStep:
         if self.chunk_compile_seconds is None:
             return False
         logger.info("Compiled the %d-token verification step in %.1f s.", CHUNK_ROWS, self.chunk_compile_seconds)
+        if self.exact:
+            self.chunk_exact = self._chunk_matches_steps()
+            if not self.chunk_exact:
+                logger.warning(
+                    "The compiled %d-token graph rounds differently from the 1-token graph here (torch %s, %s): "
+                    "verification runs one token per call instead, so that speculative decoding still returns the "
+                    "target's own greedy tokens; drafting will not pay (the cost model will stop proposing). "
+                    "Load the target without torch_compile for speculative decoding.", CHUNK_ROWS,
+                    torch.__version__, torch.backends.cpu.get_cpu_capability())
         return True
+
+    def _chunk_matches_steps(self) -> bool:
+        """Whether the :data:`CHUNK_ROWS`-token graph gives every row the same logits, bit for bit, as the 1-token
+        graph gives that token decoded alone: both run on two scratch caches, the chunk graph on a full chunk and on
+        a padded one. Inductor compiles each graph for its own row count (a static shape: its GEMM blockings, its
+        fusions); with torch 2.13 on AVX512 the kernels reduce each row alike, which this checks on the machine
+        that runs them."""
+        vocab = self.vocab_size
+        tokens = [(7919 * i + 13) % vocab for i in range(1 + CHUNK_ROWS + 2)]
+        caches = [PreallocatedKVCache(self.num_layers, 1, self.kv_heads, self.head_dim, self.dtype, capacity=16)
+                  for _ in range(2)]
+        steps = torch.cat([self._run([token], i, caches[0], 1) for i, token in enumerate(tokens)], dim=1)
+        first = self._run(tokens[:1], 0, caches[1], 1)
+        full = self._run(tokens[1:1 + CHUNK_ROWS], 1, caches[1], CHUNK_ROWS)
+        padded = self._run(tokens[1 + CHUNK_ROWS:], 1 + CHUNK_ROWS, caches[1], CHUNK_ROWS)
+        return torch.equal(torch.cat([first, full, padded], dim=1), steps)
 
     def _compile_graph(self, rows: int, what: str) -> Optional[float]:
         """Compile the ``rows``-token graph on a scratch cache; the seconds it took, or None when Inductor could not
@@ -374,9 +413,10 @@ class CompiledDecodeStep:
                  cache: PreallocatedKVCache) -> Optional[torch.Tensor]:
         """Logits ``[1, q, vocab]`` (the model's dtype) for ``input_ids`` int64 ``[1, q]`` at ``position_ids``
         int64 ``[1, q]``; writes their keys/values at rows ``cache.length ..`` and advances the cache by ``q``.
-        One token runs the :attr:`step_rows`-token graph; a chunk runs the :data:`CHUNK_ROWS`-token graph in pieces,
-        a short piece padded (its last token repeated at the next rows, which the cache then does not count and
-        later tokens overwrite).
+        One token runs the :attr:`step_rows`-token graph; a chunk runs the :data:`CHUNK_ROWS`-token graph in pieces, a short piece
+        padded (its last token repeated at the next rows, which the cache then does not count and later tokens
+        overwrite), or, in the exact fp32 step where that graph rounds otherwise (:attr:`chunk_exact` False), one
+        token at a time on the 1-token graph.
         None (logged once, and :attr:`failed` set) when a compiled call fails: the caller runs its eager decoder.
 
         Raises:
@@ -402,8 +442,8 @@ class CompiledDecodeStep:
                 return self._run(tokens, first, cache, self.step_rows)
             if not self.compile_chunk():  # logged; failed is set
                 return None
-            pieces = [self._run(tokens[i:i + CHUNK_ROWS], first + i, cache, CHUNK_ROWS)
-                      for i in range(0, len(tokens), CHUNK_ROWS)]
+            rows = 1 if self.chunk_exact is False else CHUNK_ROWS  # a chunk graph that rounds otherwise: token by token
+            pieces = [self._run(tokens[i:i + rows], first + i, cache, rows) for i in range(0, len(tokens), rows)]
             return torch.cat(pieces, dim=1)
         except Exception as exc:  # noqa: BLE001 - e.g. a recompile Inductor cannot do, at the recompile limit
             logger.warning("The compiled decode step failed (%s: %s); decoding on the eager decoder from now on.",
@@ -430,13 +470,29 @@ class CompiledDecodeStep:
         if scratch:
             torch._dynamo.mark_dynamic(key_pos, 0)  # any length runs the same graph
         padded = tokens + tokens[-1:] * (rows - q)
-        # autocast off: the step is in the model's dtype already, and an autocast region would be another graph
-        with torch._inductor.config.patch(self._settings), torch.autocast("cpu", enabled=False):
+        # autocast off: the step is in the model's dtype already, and an autocast region would be another graph.
+        # Static row counts: Dynamo would otherwise compile the second graph (another row count of the same code) with
+        # a symbolic one, whose kernels round rows otherwise and run slower; the capacity and attention length are
+        # dynamic by their marks, as before
+        with torch._inductor.config.patch(self._settings), torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
+                torch.autocast("cpu", enabled=False):
             # fresh tensors: generate() passes slices whose strides differ, and a new stride recompiles
             logits = self._compiled(torch.tensor([padded]), torch.arange(position, position + rows)[None],
                                     torch.arange(past, past + rows), key_pos, cache.keys, cache.values)
         cache.advance(q)
         return logits if q == rows else logits[:, :q]
+
+
+def _guard_options() -> Optional[dict]:
+    """``torch.compile`` options that drop Dynamo's guards on the step's modules (their attributes and weights), kept
+    on its inputs (shapes, strides, dtypes: what picks the 1-token or the chunk graph) and on global state. The guards
+    cost about 1 ms a call (SmolLM2, 30 layers: 4% of a bf16 draft step) and protect nothing here: the modules are
+    ours and never change, and freezing has folded the weights into the graph anyway (a weight changed in place
+    would not reach it either way). Nor can another model's graph be picked without them: each step's ``forward`` is a
+    code object of its own (:func:`_own_code`), and Dynamo keeps graphs per code object. None where this torch lacks
+    the filter."""
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    return {"guard_filter_fn": skip} if skip is not None else None
 
 
 def _torch_at_least(version: str) -> bool:

@@ -275,9 +275,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """With ``torch_compile=True``: compile the 4-token graph now (tens of seconds; 40-100 s for a 0.5B model),
         not inside the first ``generate()`` that needs it. That graph runs chunks of tokens on a non-empty cache: a
         bf16 or int8 target's verification of draft tokens, and a draft's catch-up on the tokens it did not see
-        (a draft with its own cache; a self-draft that reads its target's cache never runs it). An fp32 model runs
-        single tokens on that graph too, so it compiled at load. Costs a second packed copy of the weights where the
-        graph is a second one (docs/memory.md).
+        (a draft with its own cache; a self-draft that reads its target's cache never runs it). In fp32 the graph is
+        checked to give each token the bits the 1-token graph gives it (else chunks run one token per call, logged).
+        Costs a second packed copy of the weights (docs/memory.md).
 
         Returns:
             True when the graph is ready; False for a model without a compiled step (no ``torch_compile``, the IPEX

@@ -84,16 +84,20 @@ def test_compiled_step_tracks_the_eager_decoder_and_crops_exactly(build, dense_b
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_compiled_fp32_target_verifies_chunks_as_its_steps_decode(arch):
-    """fp32 compiled (the target of speculative decoding): tokens decoded one at a time and a chunk of 6 (4 + 2
-    padded rows) give the same logits bit for bit (one graph), and the eager decoder's logits and keys/values to fp32
-    rounding; the padding rows are not counted by the cache."""
+    """fp32 compiled (the target of speculative decoding): tokens decoded one at a time (the 1-token graph) and a
+    chunk of 6 (the 4-token graph, 4 + 2 padded rows) give the same logits bit for bit, and the eager decoder's logits
+    and keys/values to fp32 rounding; the padding rows are not counted by the cache."""
     def build():
         return build_tiny(arch, vocab_size=512)
 
     eager = IPEXModelForCausalLM.from_transformers_model(build(), backend="torch")
     compiled = IPEXModelForCausalLM.from_transformers_model(build(), backend="torch", torch_compile=True)
     step = compiled.runner.step
-    assert step is not None and step.compile_seconds > 0 and step.step_rows == compiled_step.CHUNK_ROWS
+    # single tokens run on a 1-token graph where the autotuner offers Inductor's C++ GEMM templates alone (torch >=
+    # 2.13), else padded on the 4-token graph (ATen's kernels offered: MKL rounds one row and four differently)
+    padded = step._settings["max_autotune_gemm_backends"] != "CPP"
+    assert step is not None and step.compile_seconds > 0
+    assert step.step_rows == (compiled_step.CHUNK_ROWS if padded else 1)
     torch.manual_seed(0)
     prompt, more = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 6))
     caches = {name: m.runner.new_cache(1, 10) for name, m in (("eager", eager), ("steps", compiled),
@@ -103,7 +107,9 @@ def test_compiled_fp32_target_verifies_chunks_as_its_steps_decode(arch):
     want = eager(more, past_key_values=caches["eager"]).logits
     steps = torch.cat([compiled(more[:, i:i + 1], past_key_values=caches["steps"]).logits for i in range(6)], 1)
     chunk = compiled(more, past_key_values=caches["chunk"]).logits
-    assert step.chunk_compile_seconds == 0 and not step.failed  # no second graph
+    # the chunk compiled the 4-token graph, which checked that it gives each row the 1-token graph's bits (or it is
+    # the one graph)
+    assert step.chunk_exact is True and not step.failed and (step.chunk_compile_seconds == 0) == padded
     assert want.shape == steps.shape == chunk.shape == (1, 6, 512) and chunk.dtype == torch.float32
     scale = want.abs().max()
     assert (steps - want).abs().max() <= 1e-5 * scale and (chunk - want).abs().max() <= 1e-5 * scale
@@ -114,6 +120,61 @@ def test_compiled_fp32_target_verifies_chunks_as_its_steps_decode(arch):
             ref = getattr(caches["eager"], buffers)[layer][:, :, :15]
             for name in ("steps", "chunk"):
                 assert torch.allclose(getattr(caches[name], buffers)[layer][:, :, :15], ref, atol=1e-5)
+
+
+def test_a_chunk_graph_that_rounds_otherwise_verifies_token_by_token(tiny_dir, caplog):
+    """Where the fp32 4-token graph does not give a row the 1-token graph's bits (simulated: its logits nudged by one
+    ulp-sized step), the check at its compile says so in a warning, chunks then run one token at a time on the 1-token
+    graph (the target reports 1-token verification calls to the cost model), and assisted generation still returns
+    plain decoding's logits bit for bit."""
+    target = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, backend="torch", torch_compile=True)
+    step = target.runner.step
+    step.step_rows, step.chunk_exact = 1, None  # a 1-token graph, also where single tokens would run padded
+    compiled, rows = step._compiled, []
+
+    def nudged(*args):
+        rows.append(args[0].shape[1])
+        logits = compiled(*args)
+        return logits * (1 + 1e-6) if args[0].shape[1] == compiled_step.CHUNK_ROWS else logits
+
+    step._compiled = nudged
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.compiled_step"):
+        assert target.compile_chunk_step()
+    assert step.chunk_exact is False and target.runner.verify_rows == 1 and not step.failed
+    assert "rounds differently from the 1-token graph" in caplog.text
+    draft = target.self_draft(backend="torch")
+    draft.generation_config.assistant_confidence_threshold = 0.0  # a random model is never confident
+    torch.manual_seed(1)
+    ids = torch.randint(3, 1000, (1, 12))
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                  return_dict_in_generate=True, output_logits=True)
+    plain = target.generate(ids, **kwargs)
+    rows.clear()
+    assisted = target.generate(ids, assistant_model=draft, num_assistant_tokens=3,
+                               num_assistant_tokens_schedule="constant", **kwargs)
+    assert draft.last_speculation_stats.proposed > 0 and rows and set(rows) == {1}
+    assert torch.equal(assisted.sequences, plain.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(assisted.logits, plain.logits))
+
+
+def test_two_compiled_models_of_one_shape_each_run_their_own_weights():
+    """The step compiles without Dynamo's guards on its modules (their weights): two models of the same architecture
+    and shapes but other weights, compiled in one process, must each run their own graph, not the other's."""
+    models = [IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", seed=seed, vocab_size=512),
+                                                           backend="torch", torch_compile=True) for seed in (0, 1)]
+    eager = [IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", seed=seed, vocab_size=512),
+                                                          backend="torch") for seed in (0, 1)]
+    prompt = torch.randint(3, 500, (1, 6))
+    got, want = [], []
+    for compiled, reference in zip(models, eager):
+        caches = [compiled.runner.new_cache(1, 16), reference.runner.new_cache(1, 16)]
+        compiled(prompt, past_key_values=caches[0])
+        reference(prompt, past_key_values=caches[1])
+        got.append(compiled(prompt[:, -1:], past_key_values=caches[0]).logits)
+        want.append(reference(prompt[:, -1:], past_key_values=caches[1]).logits)
+    assert not torch.allclose(want[0], want[1], atol=1e-3)  # the two models differ
+    for mine, reference in zip(got, want):
+        assert (mine - reference).abs().max() <= 1e-5 * reference.abs().max()
 
 
 def test_compiled_fp32_target_is_exact_with_a_draft_and_prompt_lookup(tiny_dir):
@@ -158,14 +219,16 @@ def test_compiled_fp32_target_is_exact_with_a_draft_and_prompt_lookup(tiny_dir):
 def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_strategy(tmp_path, prompt_tokens):
     """Not only the same tokens: plain greedy decoding, assisted generation (constant and default schedules) and
     prompt lookup on a compiled fp32 target give the same logits for every generated token, the last ones included.
-    The kernel's rounding depends on the rows attention reads (masked ones too). A short generation reads the whole
-    capacity (bar one row), which generate() sizes for the compiled graphs' padding rows: with a capacity that grew
-    at the last tokens, the last 1-3 tokens' logits of this model differed between plain decoding and the other
-    strategies. A long one (500 + 24 tokens) reads the filled rows rounded up to a multiple of the kernel's block of
+    Plain decoding runs the 1-token graph, verification the 4-token one (checked to round each row alike when it
+    compiled). The kernel's rounding depends on the rows attention reads (masked ones too). A short generation reads
+    the whole capacity (bar one row), which generate() sizes for the compiled graphs' padding rows: with a capacity
+    that grew at the last tokens, the last 1-3 tokens' logits of this model differed between plain decoding and the
+    other strategies. A long one (500 + 24 tokens) reads the filled rows rounded up to a multiple of the kernel's block of
     512 keys, 512 and then 1,024 rows here, and no bit changes with the length; nothing recompiles for it."""
     build_tiny("llama", vocab_size=512).save_pretrained(tmp_path)
     target = IPEXModelForCausalLM.from_pretrained(str(tmp_path), export=True, backend="torch", torch_compile=True)
     assert target.runner.step is not None
+    assert target.compile_chunk_step() and target.runner.step.chunk_exact is True  # ahead: no graph compiles below
     draft = target.self_draft(backend="torch")
     draft.generation_config.num_assistant_tokens = 4
     draft.generation_config.assistant_confidence_threshold = 0.0  # a random model is never confident

@@ -50,8 +50,11 @@ class TorchDecoderRunner(Runner):
     @property
     def verify_rows(self):
         """:data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS` while the compiled step runs chunks (a longer chunk
-        runs in pieces of that many tokens), else None."""
-        return CHUNK_ROWS if self.step is not None else None
+        runs in pieces of that many tokens), 1 where its chunk graph failed the exact fp32 check (chunks then run one
+        token per call), else None."""
+        if self.step is None:
+            return None
+        return 1 if self.step.chunk_exact is False else CHUNK_ROWS
 
     def _eager(self, what: str) -> EagerRunner:
         if self.eager is None:
