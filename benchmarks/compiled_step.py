@@ -1,7 +1,7 @@
 """`make bench-compile`: the pure-PyTorch path with ``torch_compile=True`` (issue 16), SmolLM2-135M, torch-current lane.
 
 One process holds, per dtype, stock transformers (its default dynamic cache, and ``cache_implementation="static"``),
-our eager decoder and our compiled one (fp32: the 4-token graph; bf16: the 1-token graph); in fp32 also the compiled target
+our eager decoder and our compiled one (its 1-token graph); in fp32 also the compiled target (its 4-token graph compiled ahead)
 with a compiled bf16 self-draft (``self_draft(torch_compile=True)``) and a compiled int8 self-draft
 (``self_draft(weights="int8", torch_compile=True)``). Every
 round runs each prompt through every configuration, interleaved; per prompt the median over rounds of decode
@@ -64,7 +64,14 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
         graphs, *loads["ours IPEX graphs"] = _load("ours IPEX graphs", lambda: IPEXModelForCausalLM.from_pretrained(
             path, export=True, torch_dtype=dtype, backend="ipex"))
         configs.append(("ours IPEX graphs", graphs, {}))
+    chunk_graph = None
     if dtype == torch.float32:
+        # the target's 4-token verification graph, compiled ahead (not inside the first timed round); where single
+        # tokens run padded on it (torch < 2.13) it compiled at load and this is instant
+        _, chunk_gb, chunk_s = _load("fp32 verification graph", compiled.compile_chunk_step)
+        step = compiled.runner.step
+        chunk_graph = {"load_s": chunk_s, "load_rss_gb": chunk_gb, "step_rows": step.step_rows,
+                       "chunk_exact": step.chunk_exact}
         cdraft, *loads["bf16 self-draft, compiled"] = _load("compiled draft", lambda: compiled.self_draft(
             backend="torch", torch_compile=True))
         idraft, *loads["int8 self-draft, compiled"] = _load("compiled int8 draft", lambda: compiled.self_draft(
@@ -112,10 +119,32 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
         for row in rows:
             if row["config"].endswith(name):
                 row["load_rss_gb"], row["load_s"] = loads[name]
-    result = {"dtype": dtype_name, "weight_gb": weight_gb, "rows": rows}
+    result = {"dtype": dtype_name, "weight_gb": weight_gb, "rows": rows, "chunk_graph": chunk_graph}
     del stock, ours, compiled, configs
     gc.collect()
     return result
+
+
+def _cpu() -> str:
+    """This CPU's model name and the ISA PyTorch dispatches to (figures differ between machines)."""
+    import torch
+
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
+    except OSError:
+        pass
+    amx = " with AMX" if torch.backends.cpu.get_cpu_capability() == "AVX512" and _has_flag("amx_bf16") else ""
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{amx}"
+
+
+def _has_flag(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return any(line.startswith("flags") and flag in line.split() for line in info)
+    except OSError:
+        return False
 
 
 def render(result) -> str:
@@ -168,10 +197,12 @@ def render(result) -> str:
         "",
         "Notes:",
         "- `ours compiled` loads in the time Inductor takes to compile its graphs (freezing, max-autotune over its C++ "
-        "GEMM templates): in fp32 one graph of 4 tokens (a single token runs padded on it, so a decoded and a "
-        "verified token compute the same bits), in bf16 a 1-token graph (plain decoding; a bf16 target compiles its "
-        "4-token verification graph, and holds a second packed copy of its weights, at its first chunk of draft "
-        "tokens). The prefill stays on the eager decoder.",
+        "GEMM templates): a 1-token graph (plain decoding); a target compiles its 4-token verification graph, and "
+        "holds a second packed copy of its weights, at its first chunk of draft tokens, or ahead with "
+        "`compile_chunk_step()`. In fp32 that graph is checked at its compile to give each token the bits the 1-token "
+        "graph gives it, so a decoded and a verified token compute the same logits (where the autotuner also offers "
+        "ATen's kernels, before torch 2.13, a single token runs padded on the 4-token graph instead). The prefill "
+        "stays on the eager decoder.",
         "- The self-draft rows are the compiled fp32 target with "
         "`self_draft(backend='torch', torch_compile=True)` or `self_draft(weights='int8', torch_compile=True)` as "
         "`assistant_model` (cost model schedule); their RSS column is the draft's load. RSS growth is measured "
@@ -179,6 +210,17 @@ def render(result) -> str:
         "- bf16 outputs are compared with stock bf16; kernels round differently, so long bf16 continuations may "
         "diverge. fp32 outputs (target alone, and with either draft) must be identical.",
     ]
+    for run in result["runs"]:
+        chunk = run.get("chunk_graph")
+        if chunk:
+            lines.append(
+                f"- The {run['dtype']} target's verification graph, compiled before the draft rows: "
+                f"{chunk['load_s']:.0f} s, +{chunk['load_rss_gb']:.2f} GiB of RSS; single tokens run on "
+                + ("a 1-token graph of their own" if chunk["step_rows"] == 1
+                   else f"it, padded to {chunk['step_rows']} rows")
+                + ("" if chunk["chunk_exact"] else " (it rounds otherwise: chunks ran one token per call)") + ".")
+    if result.get("cpu"):
+        lines.append(f"- CPU: {result['cpu']}.")
     return "\n".join(lines) + "\n"
 
 
@@ -215,7 +257,7 @@ def main(argv=None):
         "command": " ".join(["python benchmarks/compiled_step.py"] + (argv or sys.argv[1:])),
         "date": datetime.date.today().isoformat(), "threads": args.threads, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "prompt_count": len(prompts), "torch": torch.__version__,
-        "transformers": transformers.__version__, "ipex": ipex_status().ipex_version,
+        "transformers": transformers.__version__, "ipex": ipex_status().ipex_version, "cpu": _cpu(),
         "runs": [run_dtype(args, d, path, prompts, tokenizer) for d in args.dtypes.split(",")],
     }
     result["peak_rss_gb"] = _rss()["VmHWM"]
