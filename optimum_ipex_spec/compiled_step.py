@@ -25,8 +25,9 @@ EPYC Zen 4 the padding cost 12%. Attention must round alike in every call a toke
 length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
 :data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
 inside a generation), else the filled rows rounded up to a multiple of it, the kernel's block, where any multiple
-gives the same bits (:func:`exact_attention_length`). bf16 targets are not bit-exact anyway (docs/assisted-generation.md).
-Against the eager decoder both agree to rounding. The prefill stays on the eager decoder, as stock's.
+gives the same bits (:func:`exact_attention_length`). bf16 targets are not bit-exact anyway
+(docs/assisted-generation.md). Against the eager decoder both agree to rounding. The prefill stays on the eager
+decoder, as stock's.
 
 The step is written like pytorch-labs/gpt-fast's: the keys/values of the new token are written in place into
 the :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` buffers at the cache's length, and attention
@@ -413,10 +414,10 @@ class CompiledDecodeStep:
                  cache: PreallocatedKVCache) -> Optional[torch.Tensor]:
         """Logits ``[1, q, vocab]`` (the model's dtype) for ``input_ids`` int64 ``[1, q]`` at ``position_ids``
         int64 ``[1, q]``; writes their keys/values at rows ``cache.length ..`` and advances the cache by ``q``.
-        One token runs the :attr:`step_rows`-token graph; a chunk runs the :data:`CHUNK_ROWS`-token graph in pieces, a short piece
-        padded (its last token repeated at the next rows, which the cache then does not count and later tokens
-        overwrite), or, in the exact fp32 step where that graph rounds otherwise (:attr:`chunk_exact` False), one
-        token at a time on the 1-token graph.
+        One token runs the :attr:`step_rows`-token graph; a chunk runs the :data:`CHUNK_ROWS`-token graph in pieces,
+        a short piece padded (its last token repeated at the next rows, which the cache then does not count and later
+        tokens overwrite), or, in the exact fp32 step where that graph rounds otherwise (:attr:`chunk_exact` False),
+        one token at a time on the 1-token graph.
         None (logged once, and :attr:`failed` set) when a compiled call fails: the caller runs its eager decoder.
 
         Raises:
