@@ -160,7 +160,12 @@ def exact_attention_length(needed: int, capacity: int) -> int:
         raise ValueError(f"{needed} rows needed on a cache of {capacity}: reserve {needed + 1} first")
     if capacity - 1 <= ATTENTION_BLOCK:
         return capacity - 1
-    return -(-needed // ATTENTION_BLOCK) * ATTENTION_BLOCK
+    return _whole_blocks(needed)
+
+
+def _whole_blocks(rows: int) -> int:
+    """``rows`` rounded up to a multiple of :data:`ATTENTION_BLOCK`."""
+    return -(-rows // ATTENTION_BLOCK) * ATTENTION_BLOCK
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -321,7 +326,7 @@ class CompiledDecodeStep:
         rows = tokens + CHUNK_ROWS - 1
         if not self.exact or rows <= ATTENTION_BLOCK:
             return rows + 1
-        return -(-rows // ATTENTION_BLOCK) * ATTENTION_BLOCK + 1
+        return _whole_blocks(rows) + 1
 
     @staticmethod
     def applies(batch: int, q: int, past: int, unpadded: bool) -> bool:
