@@ -71,7 +71,7 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
         _, chunk_gb, chunk_s = _load("fp32 verification graph", compiled.compile_chunk_step)
         step = compiled.runner.step
         chunk_graph = {"load_s": chunk_s, "load_rss_gb": chunk_gb, "step_rows": step.step_rows,
-                       "chunk_exact": step.chunk_exact}
+                       "chunk_exact": step.chunk_exact, "kernel": step.chunk_kernel}
         cdraft, *loads["bf16 self-draft, compiled"] = _load("compiled draft", lambda: compiled.self_draft(
             backend="torch", torch_compile=True))
         idraft, *loads["int8 self-draft, compiled"] = _load("compiled int8 draft", lambda: compiled.self_draft(
@@ -126,25 +126,24 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
 
 
 def _cpu() -> str:
-    """This CPU's model name and the ISA PyTorch dispatches to (figures differ between machines)."""
+    """This CPU's model name and the ISA PyTorch dispatches to (figures differ between machines), from one read of
+    /proc/cpuinfo."""
     import torch
 
-    name = "unknown CPU"
+    name, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as info:
-            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name == "unknown CPU":
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
     except OSError:
         pass
-    amx = " with AMX" if torch.backends.cpu.get_cpu_capability() == "AVX512" and _has_flag("amx_bf16") else ""
-    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{amx}"
-
-
-def _has_flag(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return any(line.startswith("flags") and flag in line.split() for line in info)
-    except OSError:
-        return False
+    capability = torch.backends.cpu.get_cpu_capability()
+    amx = " with AMX" if capability == "AVX512" and "amx_bf16" in flags else ""
+    return f"{name}, {capability}{amx}"
 
 
 def render(result) -> str:
@@ -218,7 +217,9 @@ def render(result) -> str:
                 f"{chunk['load_s']:.0f} s, +{chunk['load_rss_gb']:.2f} GiB of RSS; single tokens run on "
                 + ("a 1-token graph of their own" if chunk["step_rows"] == 1
                    else f"it, padded to {chunk['step_rows']} rows")
-                + ("" if chunk["chunk_exact"] else " (it rounds otherwise: chunks ran one token per call)") + ".")
+                + ("" if chunk["chunk_exact"] else " (it rounds otherwise: chunks ran one token per call)")
+                + {"packed": "; its products run optimum_ipex_spec.packed_gemm's fp32 kernel",
+                   "inductor": "; its products run Inductor's GEMM templates"}.get(chunk.get("kernel"), "") + ".")
     if result.get("cpu"):
         lines.append(f"- CPU: {result['cpu']}.")
     return "\n".join(lines) + "\n"

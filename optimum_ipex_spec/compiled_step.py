@@ -21,7 +21,11 @@ chunks run one token at a time on the 1-token graph, logged). Where the autotune
 one-row and few-row products round differently) a single fp32 token runs padded on the chunk graph instead, one graph
 for both. The 1-token graph pays: on an Intel Xeon with AMX (1 thread, about 12 GB/s from memory) Inductor's fp32
 GEMMs read 4 rows 1.6x slower than 1, and SmolLM2's fp32 step went from 75 ms padded to 48.6 (stock: 63); on an AMD
-EPYC Zen 4 the padding cost 12%. Attention must round alike in every call a token can come in too, so its
+EPYC Zen 4 the padding cost 12%. For the same reason the fp32 chunk graph multiplies with
+:mod:`~optimum_ipex_spec.packed_gemm`'s kernel where it builds (AVX-512): Inductor's register blocking with the weight
+prefetched, each output the bits Inductor's 1-row GEMM gives it; SmolLM2's 4-token verification then costs 45.7 ms
+against a 42.0 ms step (Inductor's GEMMs: 71 ms), and the graph compiles in 29 s instead of 62 (no GEMM to
+autotune). Attention must round alike in every call a token can come in too, so its
 length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
 :data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
 inside a generation), else the filled rows rounded up to a multiple of it, the kernel's block, where any multiple
@@ -60,6 +64,7 @@ import torch.nn.functional as F
 from .dense_weights import onednn_bf16_available
 from .facts import dtype_name
 from .int8_weights import KERNEL_K_MULTIPLE, Int8Weight
+from .packed_gemm import PackedLinear, packed_gemm_available
 from .torch_cache import PreallocatedKVCache
 from .torch_model import TorchCausalLMDecoder
 from .utils.memory import return_freed_memory
@@ -217,6 +222,22 @@ class _DecodeStep(torch.nn.Module):
                 torch.nn.ModuleList([_Int8Projection(qkv, bias), _Int8Projection(o), _Int8Projection(gate_up),
                                      _Int8Projection(down)]) for qkv, bias, o, gate_up, down in int8_layers)
             self.lm_head = _Int8Projection(int8_head)
+        #: fp32 dense only, from :meth:`pack_for_chunks`: per layer the packed q, k, v, o, gate, up, down projections,
+        #: and the head, which graphs of more than one row multiply with (:mod:`~optimum_ipex_spec.packed_gemm`)
+        self.packed: Optional[torch.nn.ModuleList] = None
+        self.packed_head: Optional[PackedLinear] = None
+
+    def pack_for_chunks(self) -> None:
+        """Packed copies of the fp32 projections and head (:class:`~optimum_ipex_spec.packed_gemm.PackedLinear`, one
+        more copy of the weights, as a graph of Inductor's own holds) for the chunk graph, traced after this."""
+        layers = []
+        for layer in self.inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(torch.nn.ModuleList(
+                PackedLinear(m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                         mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
+        self.packed = torch.nn.ModuleList(layers)
+        self.packed_head = PackedLinear(self.lm_head.weight, self.lm_head.bias)
 
     def forward(self, input_ids, position_ids, write_at, key_pos, keys, values):
         # input_ids, position_ids: int64 [1, q]; write_at: int64 [q] (the cache rows of these tokens); key_pos: int64
@@ -234,12 +255,17 @@ class _DecodeStep(torch.nn.Module):
             allowed = allowed & (key_pos[None, :] > write_at[:, None] - self.sliding_window)
         # one query row per (head of a key/value group, token): the mask repeats per head of the group
         mask = allowed[None].expand(group, q, -1).reshape(1, 1, group * q, -1)
+        # a chunk (q is static per graph) multiplies by the packed weights where there are some
+        chunk_packed = self.packed is not None and q > 1
         for index, layer in enumerate(inner.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             if self.int8:
                 qkv_m, o_m, gate_up_m, down_m = self.int8_layers[index]
                 query, key, value = qkv_m(x).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+            elif chunk_packed:
+                q_p, k_p, v_p, o_p, gate_p, up_p, down_p = self.packed[index]
+                query, key, value = q_p(x), k_p(x), v_p(x)
             else:
                 query, key, value = _linear(attn.q_proj, x), _linear(attn.k_proj, x), _linear(attn.v_proj, x)
             query = query.view(1, q, heads, dim).transpose(1, 2)
@@ -261,11 +287,17 @@ class _DecodeStep(torch.nn.Module):
                 hidden = hidden + o_m(out)
                 gate, up = gate_up_m(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
                 hidden = hidden + down_m(mlp.act_fn(gate) * up)
+            elif chunk_packed:
+                hidden = hidden + o_p(out)
+                x = layer.post_attention_layernorm(hidden)
+                hidden = hidden + down_p(mlp.act_fn(gate_p(x)) * up_p(x))
             else:
                 hidden = hidden + _linear(attn.o_proj, out)
                 x = layer.post_attention_layernorm(hidden)
                 hidden = hidden + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
         hidden = inner.norm(hidden)
+        if chunk_packed:
+            return self.packed_head(hidden)
         return self.lm_head(hidden) if self.int8 else _linear(self.lm_head, hidden)
 
 
@@ -278,8 +310,9 @@ class CompiledDecodeStep:
             modules (dense weights) or its int8 matrices are used, not copied; its attention geometry and window.
 
     :meth:`compile` compiles the one-token graph (tens of seconds: SmolLM2-135M about a minute on 1 thread; the
-    verification graph as long again, at the first chunk or :meth:`compile_chunk`; the autotuning results are cached
-    on disk, ``TORCHINDUCTOR_CACHE_DIR``, the frozen graph is not: a later process compiles again, faster) and
+    verification graph, at the first chunk or :meth:`compile_chunk`, about half that in fp32 with the packed kernel,
+    as long in bf16; the autotuning results are cached on disk, ``TORCHINDUCTOR_CACHE_DIR``, the frozen graph is not:
+    a later process compiles again, faster) and
     returns False, logging why, when this machine cannot (no C++ compiler, an Inductor error, e.g. for a dynamic
     rope type): the caller then keeps its eager decoder. Changing ``torch.set_num_threads`` or deterministic
     algorithms between calls recompiles (seconds to a minute).
@@ -317,6 +350,10 @@ class CompiledDecodeStep:
         #: (checked when it compiles, :meth:`_chunk_matches_steps`; True when that is the same graph); False: chunks run
         #: one token at a time on the 1-token graph
         self.chunk_exact: Optional[bool] = True if self.step_rows == CHUNK_ROWS else None
+        #: what multiplies the chunk graph's weights: "inductor" (its GEMM templates), or "packed" (fp32 with single
+        #: tokens on a graph of their own, where :func:`~optimum_ipex_spec.packed_gemm.packed_gemm_available`: the
+        #: kernel that reads 4 rows about as fast as 1)
+        self.chunk_kernel = "inductor"
 
     def generation_capacity(self, tokens: int) -> int:
         """The cache capacity a generation of ``tokens`` tokens in all (prompt and new tokens) needs, so that it never
@@ -335,9 +372,13 @@ class CompiledDecodeStep:
         decoder, as plain generation's does."""
         return batch == 1 and unpadded and (q == 1 or past > 0)
 
+    def _scratch_cache(self) -> PreallocatedKVCache:
+        """A small cache of this model's geometry (16 rows) for compiling and checking the graphs."""
+        return PreallocatedKVCache(self.num_layers, 1, self.kv_heads, self.head_dim, self.dtype, capacity=16)
+
     def _scratch_run(self, rows: int) -> None:
         """Compile the graph of ``rows`` tokens on a small scratch cache whose capacity is marked dynamic."""
-        cache = PreallocatedKVCache(self.num_layers, 1, self.kv_heads, self.head_dim, self.dtype, capacity=16)
+        cache = self._scratch_cache()
         for buffer in cache.keys + cache.values:
             torch._dynamo.mark_dynamic(buffer, 2)  # any capacity runs the same graph
         self._run([0] * rows, 0, cache, rows, scratch=True)
@@ -369,6 +410,9 @@ class CompiledDecodeStep:
             return True
         logger.info("Compiling the %d-token chunk step with torch.compile (once per model; "
                     "model.compile_chunk_step() does it ahead)...", CHUNK_ROWS)
+        if self.exact and self.step_rows == 1 and packed_gemm_available():
+            self.module.pack_for_chunks()
+            self.chunk_kernel = "packed"
         self.chunk_compile_seconds = self._compile_graph(CHUNK_ROWS, f"{CHUNK_ROWS}-token chunk step")
         if self.chunk_compile_seconds is None:
             return False
@@ -392,8 +436,7 @@ class CompiledDecodeStep:
         that runs them."""
         vocab = self.vocab_size
         tokens = [(7919 * i + 13) % vocab for i in range(1 + CHUNK_ROWS + 2)]
-        caches = [PreallocatedKVCache(self.num_layers, 1, self.kv_heads, self.head_dim, self.dtype, capacity=16)
-                  for _ in range(2)]
+        caches = [self._scratch_cache() for _ in range(2)]
         steps = torch.cat([self._run([token], i, caches[0], 1) for i, token in enumerate(tokens)], dim=1)
         first = self._run(tokens[:1], 0, caches[1], 1)
         full = self._run(tokens[1:1 + CHUNK_ROWS], 1, caches[1], CHUNK_ROWS)

@@ -25,6 +25,10 @@ def dense_bf16_compile():
         pytest.skip(reason)
 
 
+def _avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def _windowed_mistral():
     torch.manual_seed(3)
     model = MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -110,6 +114,8 @@ def test_compiled_fp32_target_verifies_chunks_as_its_steps_decode(arch):
     # the chunk compiled the 4-token graph, which checked that it gives each row the 1-token graph's bits (or it is
     # the one graph)
     assert step.chunk_exact is True and not step.failed and (step.chunk_compile_seconds == 0) == padded
+    # the chunk graph's products: the packed fp32 kernel on AVX-512 CPUs where single tokens have their own graph
+    assert step.chunk_kernel == ("packed" if not padded and _avx512() else "inductor")
     assert want.shape == steps.shape == chunk.shape == (1, 6, 512) and chunk.dtype == torch.float32
     scale = want.abs().max()
     assert (steps - want).abs().max() <= 1e-5 * scale and (chunk - want).abs().max() <= 1e-5 * scale
@@ -229,6 +235,8 @@ def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_stra
     target = IPEXModelForCausalLM.from_pretrained(str(tmp_path), export=True, backend="torch", torch_compile=True)
     assert target.runner.step is not None
     assert target.compile_chunk_step() and target.runner.step.chunk_exact is True  # ahead: no graph compiles below
+    padded = target.runner.step.step_rows == compiled_step.CHUNK_ROWS
+    assert target.runner.step.chunk_kernel == ("packed" if not padded and _avx512() else "inductor")
     draft = target.self_draft(backend="torch")
     draft.generation_config.num_assistant_tokens = 4
     draft.generation_config.assistant_confidence_threshold = 0.0  # a random model is never confident

@@ -1,0 +1,111 @@
+"""optimum_ipex_spec.packed_gemm: the fp32 verification kernel. Its products against F.linear, every row of a
+chunk the same bits as that row alone (and as Inductor's compiled one-row GEMM), the packed layout, bad input, and
+the fallback where it cannot run."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.cpp_extension
+
+from optimum_ipex_spec import compiled_step, packed_gemm
+from optimum_ipex_spec.compiled_step import CPP_ONLY_FROM_TORCH, _torch_at_least
+from optimum_ipex_spec.packed_gemm import BLOCK_N, PackedLinear, pack_weight, packed_gemm_available
+
+from conftest import build_tiny
+
+
+@pytest.fixture
+def kernel():
+    """The kernel runs on AVX-512 CPUs (every machine this project's CI and benchmarks use); there it must build."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the packed fp32 kernel is built for AVX-512 CPUs only")
+    assert packed_gemm_available()
+
+
+@pytest.mark.parametrize("out_features, in_features", [(32, 16), (48, 64), (100, 64), (1536, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_row_of_a_chunk_is_that_row_alone_bit_for_bit(kernel, out_features, in_features, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    packed = PackedLinear(linear.weight, linear.bias)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(1, rows, in_features)
+        got = packed(x)
+        assert got.shape == (1, rows, out_features) and got.dtype == torch.float32
+        want = F.linear(x, linear.weight, linear.bias)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        alone = torch.cat([packed(x[:, i:i + 1]) for i in range(rows)], dim=1)
+        assert torch.equal(got, alone), f"{rows} rows"
+
+
+def test_a_chunk_gives_the_bits_of_inductors_one_row_gemm(kernel):
+    """The claim the compiled step relies on (and checks on each model): the same register blocking, one fused
+    multiply-add per k in order, so a row multiplied in a chunk of 4 here has the bits Inductor's frozen 1-row GEMM
+    gives it (SmolLM2's gate/up shape)."""
+    if not _torch_at_least(CPP_ONLY_FROM_TORCH):
+        pytest.skip(f"before torch {CPP_ONLY_FROM_TORCH} the autotuner also offers ATen's GEMMs, which round otherwise "
+                    "(the compiled step then pads single tokens and does not use this kernel)")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=False).eval()
+    packed = PackedLinear(linear.weight)
+    x = torch.randn(1, 4, 576)
+    settings = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+    with torch.no_grad(), torch._inductor.config.patch(settings), \
+            torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        compiled = torch.compile(linear, dynamic=False)
+        one_row = torch.cat([compiled(x[:, i:i + 1]) for i in range(4)], dim=1)
+    assert torch.equal(packed(x), one_row)
+
+
+def test_the_packed_layout_is_blocks_of_48_columns_padded_with_zeros():
+    weight = torch.arange(100 * 3, dtype=torch.float32).view(100, 3)
+    packed = pack_weight(weight)
+    assert packed.shape == (3, 3, BLOCK_N) and packed.is_contiguous()
+    assert torch.equal(packed[1, :, 5], weight[48 + 5])  # block 1, column 5: output row 53, read along k
+    assert torch.equal(packed[2, :, :4].t(), weight[96:])
+    assert not packed[2, :, 4:].any()
+
+
+def test_bad_input_is_refused_with_what_to_fix(kernel):
+    with pytest.raises(ValueError, match="2-D float32 weight"):
+        pack_weight(torch.ones(96, 8, dtype=torch.bfloat16))
+    packed = pack_weight(torch.ones(96, 8))
+    with pytest.raises(RuntimeError, match="x has 7 features, the weight 8"):
+        torch.ops.optimum_ipex_spec.packed_mm(torch.ones(2, 7), packed, 96)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.optimum_ipex_spec.packed_mm(torch.ones(2, 8, dtype=torch.bfloat16), packed, 96)
+    with pytest.raises(RuntimeError, match="output features do not match"):
+        torch.ops.optimum_ipex_spec.packed_mm(torch.ones(2, 8), packed, 40)
+
+
+def test_without_avx512_it_says_so_and_is_not_used(monkeypatch, caplog):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with caplog.at_level(logging.INFO, logger="optimum_ipex_spec"):
+        assert packed_gemm.packed_gemm_available.__wrapped__() is False
+    assert "needs AVX-512 (this CPU: AVX2)" in caplog.text
+
+
+def test_a_failed_build_is_logged_and_the_chunk_graph_keeps_inductors_gemms(monkeypatch, caplog):
+    """Where the kernel cannot be built (no compiler or ninja) the chunk graph compiles with Inductor's GEMMs, still
+    checked bit for bit against the 1-token graph."""
+    if not _torch_at_least(CPP_ONLY_FROM_TORCH):
+        pytest.skip("before torch 2.13 single fp32 tokens run padded on the chunk graph: no second graph to build")
+
+    def no_build(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_build)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec"):
+        assert packed_gemm.packed_gemm_available.__wrapped__() is False
+    assert "Could not build the fp32 verification kernel (RuntimeError: Ninja is required" in caplog.text
+    monkeypatch.setattr(compiled_step, "packed_gemm_available", lambda: False)
+    from optimum_ipex_spec import IPEXModelForCausalLM
+
+    model = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512), backend="torch",
+                                                         torch_compile=True)
+    assert model.compile_chunk_step()
+    step = model.runner.step
+    assert step.chunk_kernel == "inductor" and step.module.packed is None and step.chunk_exact is True
