@@ -129,6 +129,8 @@ def packed_gemm_available() -> bool:
         logger.info("The fp32 verification kernel needs AVX-512 (this CPU: %s): the compiled verification graph "
                     "keeps Inductor's GEMMs.", capability)
         return False
+    logger.info("Loading the fp32 verification kernel (built once per machine and torch, about 20-40 s; cached in "
+                "TORCH_EXTENSIONS_DIR)...")
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -159,11 +161,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_weight takes a 2-D float32 weight [out, in], got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     out_features, in_features = weight.shape
-    blocks = -(-out_features // BLOCK_N)
-    padded = weight.detach()
-    if blocks * BLOCK_N != out_features:
-        padded = torch.cat([padded, padded.new_zeros(blocks * BLOCK_N - out_features, in_features)])
-    return padded.view(blocks, BLOCK_N, in_features).transpose(1, 2).contiguous()
+    weight = weight.detach()
+    full, rest = divmod(out_features, BLOCK_N)
+    # written in place: no temporary copy of the weight (a 1.5B model's head is 0.93 GB)
+    packed = weight.new_empty(full + (rest > 0), in_features, BLOCK_N)
+    packed[:full] = weight[:full * BLOCK_N].view(full, BLOCK_N, in_features).transpose(1, 2)
+    if rest:
+        packed[full].zero_()
+        packed[full, :, :rest] = weight[full * BLOCK_N:].t()
+    return packed
 
 
 class PackedLinear(torch.nn.Module):
