@@ -241,7 +241,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             logits_to_keep: as in transformers: 0 returns logits for all ``q`` positions, ``n > 0`` for the last
                 ``n``, a 1-D int64 tensor for those positions. ``generate()`` passes 1 for the prompt and ``k + 1``
                 for a verification of k draft tokens; the pure-PyTorch decoder then runs the LM head on those
-                positions only (the IPEX graphs compute all and are sliced).
+                positions only (the IPEX graphs compute all and are sliced). An ``n > 1`` on an empty cache (batch 1:
+                speculative decoding's first round, the prompt and its first ``n - 1`` candidates) runs as two calls,
+                the prompt alone and then the candidates, so that the first token's logits are plain decoding's bit
+                for bit.
 
         Returns:
             ``CausalLMOutputWithPast`` with ``logits`` ``[batch, q, vocab]`` (``q`` cut by ``logits_to_keep``) in
@@ -257,10 +260,32 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         if past_key_values is None:
             past_key_values = cache  # transformers >= 5 spells it ``cache``
+        if _prefill_with_candidates(input_ids, past_key_values, logits_to_keep, use_cache, kwargs):
+            out = self._prefill_then_verify(input_ids, attention_mask, past_key_values, position_ids, logits_to_keep,
+                                            kwargs)
+            return out if return_dict else out.to_tuple()
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
             kwargs["logits_to_keep"] = logits_to_keep
         out = self.runner.forward(input_ids, attention_mask, past_key_values, position_ids, use_cache, kwargs)
         return out if return_dict else out.to_tuple()
+
+    def _prefill_then_verify(self, input_ids, attention_mask, cache, position_ids, logits_to_keep: int, kwargs):
+        """A first call of speculative decoding (an empty cache; the prompt, then ``logits_to_keep - 1`` candidates):
+        the prompt is prefilled alone, as plain decoding does, then the candidates run on its cache as any later
+        verification does. In one call the prompt's last logits would come from a product of more rows than plain
+        decoding's prefill, which can round differently in the last bits (a near-tie could then give another first
+        token); split, the first token's logits are plain decoding's bit for bit, and the candidates' logits those
+        of the graph that verifies every later round. Logits ``[1, logits_to_keep, vocab]``."""
+        prompt = input_ids.shape[1] - logits_to_keep + 1
+        first = self.runner.forward(input_ids[:, :prompt],
+                                    None if attention_mask is None else attention_mask[:, :prompt], cache,
+                                    None if position_ids is None else position_ids[:, :prompt], True,
+                                    {**kwargs, "logits_to_keep": 1})
+        out = self.runner.forward(input_ids[:, prompt:], attention_mask, first.past_key_values,
+                                  None if position_ids is None else position_ids[:, prompt:], True,
+                                  {**kwargs, "logits_to_keep": logits_to_keep - 1})
+        out.logits = torch.cat([first.logits, out.logits], dim=1)
+        return out
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256):
         """An empty KV cache for this model's forward: :class:`~optimum_ipex_spec.cache.IPEXFusedCache` (IPEX
@@ -848,3 +873,14 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 
 
 register_for_pipelines(IPEXModelForCausalLM.__name__)
+
+
+def _prefill_with_candidates(input_ids, cache, logits_to_keep, use_cache: bool, kwargs) -> bool:
+    """Whether a forward call is speculative decoding's first verification: one sequence on an empty cache, keeping
+    the logits of its last ``logits_to_keep`` (> 1) positions, fewer than its tokens (transformers' assisted
+    decoding asks for ``k + 1``: the prompt's last token's and the ``k`` candidates'; a plain prefill asks for 1)."""
+    return (isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool)
+            and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1
+            and 1 < logits_to_keep < input_ids.shape[1]
+            and use_cache and kwargs.get("labels") is None
+            and (cache is None or cache.get_seq_length() == 0))

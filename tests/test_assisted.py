@@ -268,16 +268,31 @@ def test_speculative_sampling_keeps_target_distribution(pairing):
     target = ref if target_kind == "hf" else IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(ref))
     draft = draft_ref if draft_kind == "hf" else IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(draft_ref))
     draft.generation_config.num_assistant_tokens = 3
+    draft.generation_config.assistant_confidence_threshold = 0.0  # a random draft is never confident: it must propose
     ids = torch.tensor([[1, 5, 7]])
     p1, p2 = exact_two_token_distributions(ref, ids)
     runs = 1500
     counts1, counts2 = torch.zeros(vocab), torch.zeros(vocab)
+    verifications = []  # an IPEX target's calls that verify proposals (more than one token on a non-empty cache)
+    if target_kind == "ipex":
+        run = target.runner.forward
+
+        def counted(input_ids, attention_mask, cache, *args):
+            if cache is not None and cache.get_seq_length() > 0 and input_ids.shape[1] > 1:
+                verifications.append(input_ids.shape[1])
+            return run(input_ids, attention_mask, cache, *args)
+
+        target.runner.forward = counted
     for seed in range(runs):
         torch.manual_seed(seed)
-        out = target.generate(ids, max_new_tokens=2, do_sample=True, top_k=0, temperature=1.0,
-                              assistant_model=draft, pad_token_id=0, eos_token_id=None)
+        # a constant schedule: the cost model (the default) would measure plain rounds first; 3 tokens: the second
+        # round proposes the second token where the first proposes nothing (before the target's prefill)
+        out = target.generate(ids, max_new_tokens=3, do_sample=True, top_k=0, temperature=1.0,
+                              assistant_model=draft, pad_token_id=0, eos_token_id=None,
+                              num_assistant_tokens_schedule="constant")
         counts1[out[0, 3]] += 1
         counts2[out[0, 4]] += 1
+    assert target_kind == "hf" or len(verifications) >= runs  # every call verified proposals
     for counts, exact in ((counts1, p1), (counts2, p2)):
         empirical = counts / runs
         tv = 0.5 * (empirical - exact).abs().sum().item()

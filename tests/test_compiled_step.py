@@ -500,3 +500,32 @@ def test_dense_bf16_compile_is_refused_on_a_cpu_without_onednn_bf16(cpu_without_
         IPEXModelForCausalLM.from_transformers_model(model, backend="torch", torch_compile=True)
     assert compiled_step.dense_bf16_compile_unsupported() is not None
     compiled_step.check_torch_compile("torch", model, torch.bfloat16, "int8")  # no error
+
+
+def test_the_prompt_is_prefilled_alone_so_the_first_logits_are_plain_decodings(tmp_path):
+    """On the compiled fp32 target (whose verification gives the bits of its decode steps), every logit of prompt
+    lookup and of a draft with its own cache is plain decoding's, the first token's included: their first round
+    proposes with the prompt, and the target prefills the prompt alone before it verifies the candidates (in one call
+    of the prompt and them its last logits differed from plain decoding's in their last bits: found on a prompt that
+    repeats itself, where lookup proposes from the first round; a near-tie could have given another first token)."""
+    build_tiny("llama", vocab_size=512).save_pretrained(tmp_path)
+    target = IPEXModelForCausalLM.from_pretrained(str(tmp_path), export=True, backend="torch", torch_compile=True)
+    assert target.compile_chunk_step() and target.runner.step.chunk_exact is True
+    draft = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", seed=1, vocab_size=512), backend="torch")
+    draft.generation_config.num_assistant_tokens = 3
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        ids = torch.randint(3, 512, (1, 10 + seed))
+        first = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs).sequences
+        prompt = torch.cat([first, ids], dim=1)  # lookup finds the prompt's end earlier in it: it proposes at once
+        plain = target.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+        for name, strategy in {"prompt lookup": dict(prompt_lookup_num_tokens=3),
+                               "draft with its own cache": dict(assistant_model=draft)}.items():
+            got = target.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                  num_assistant_tokens_schedule="constant", **strategy, **kwargs)
+            assert torch.equal(got.sequences, plain.sequences), name
+            differ = [i for i, (a, b) in enumerate(zip(got.logits, plain.logits)) if not torch.equal(a, b)]
+            assert not differ, f"{name}, seed {seed}: the logits of tokens {differ} differ from plain decoding's"

@@ -182,3 +182,26 @@ def test_sampling_with_prompt_lookup_keeps_the_target_distribution(schedule):
     for counts, exact in ((counts1, p1), (counts2, p2)):
         tv = 0.5 * (counts / runs - exact).abs().sum().item()
         assert tv < 0.07, (schedule, tv, counts / runs, exact)
+
+
+def test_the_first_round_prefills_the_prompt_alone(pair, tokenizer):
+    """Speculative decoding's first call of the target carries the prompt and the first candidates. The prompt is
+    prefilled alone, as plain decoding does, so the first token's logits are plain decoding's bit for bit (in one
+    call of more rows they could round otherwise, and a near-tie give another first token); on this backend's
+    graphs the later tokens' logits too where its verification keeps a decode step's bits."""
+    _, model = pair
+    inputs = tokenizer(REPETITIVE, return_tensors="pt")
+    ids = inputs.input_ids
+    prompt_only = model(ids, logits_to_keep=1).logits
+    candidates = ids[:, -6:-2]  # proposals that the repetitive prompt makes likely
+    together = model(torch.cat([ids, candidates], dim=1), logits_to_keep=candidates.shape[1] + 1)
+    assert together.logits.shape[1] == candidates.shape[1] + 1
+    assert torch.equal(together.logits[:, :1], prompt_only)
+    assert together.past_key_values.get_seq_length() == ids.shape[1] + candidates.shape[1]
+    kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    plain = model.generate(**inputs, **kwargs)
+    looked_up = model.generate(**inputs, prompt_lookup_num_tokens=6, num_assistant_tokens_schedule="constant",
+                               **kwargs)
+    assert model.last_speculation_stats.rounds > 0
+    assert torch.equal(looked_up.sequences, plain.sequences)
+    assert torch.equal(looked_up.logits[0], plain.logits[0])
