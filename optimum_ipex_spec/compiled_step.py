@@ -66,7 +66,7 @@ from .facts import dtype_name
 from .int8_weights import KERNEL_K_MULTIPLE, Int8Weight
 from .packed_gemm import PackedLinear, packed_gemm_available
 from .torch_cache import PreallocatedKVCache
-from .torch_model import TorchCausalLMDecoder
+from .torch_model import TorchCausalLMDecoder, layer_projections
 from .utils.memory import return_freed_memory
 
 logger = logging.getLogger(__name__)
@@ -230,13 +230,9 @@ class _DecodeStep(torch.nn.Module):
     def pack_for_chunks(self) -> None:
         """Packed copies of the fp32 projections and head (:class:`~optimum_ipex_spec.packed_gemm.PackedLinear`, one
         more copy of the weights, as a graph of Inductor's own holds) for the chunk graph, traced after this."""
-        layers = []
-        for layer in self.inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            layers.append(torch.nn.ModuleList(
-                PackedLinear(m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                                         mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
-        self.packed = torch.nn.ModuleList(layers)
+        self.packed = torch.nn.ModuleList(
+            torch.nn.ModuleList(PackedLinear(m.weight, m.bias) for m in layer_projections(layer))
+            for layer in self.inner.layers)
         self.packed_head = PackedLinear(self.lm_head.weight, self.lm_head.bias)
 
     def forward(self, input_ids, position_ids, write_at, key_pos, keys, values):

@@ -17,7 +17,7 @@ a token verified in a chunk gets the bits the 1-token graph gives it decoded alo
 the machine that runs it (:meth:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep.compile_chunk`).
 
 It is a PyTorch operator (``torch.ops.optimum_ipex_spec.packed_mm``, with a fake implementation for tracing), built
-from the C++ below with ``torch.utils.cpp_extension.load_inline`` at the first use (about 20 s; cached in
+from the C++ below with ``torch.utils.cpp_extension.load_inline`` at the first use (20-40 s; cached in
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). It needs AVX-512 and a C++ compiler with
 ninja, as Inductor does; where either is missing :func:`packed_gemm_available` says so (logged once) and the graph
 keeps Inductor's GEMMs.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import torch
 
@@ -134,7 +135,9 @@ def packed_gemm_available() -> bool:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        load_inline("optimum_ipex_spec_packed_gemm", cpp_sources=[_SOURCE], is_python_module=False,
+        # the torch version in the name: two torch versions sharing one TORCH_EXTENSIONS_DIR keep a build each
+        name = "optimum_ipex_spec_packed_gemm_torch" + re.sub(r"\W", "_", torch.__version__)
+        load_inline(name, cpp_sources=[_SOURCE], is_python_module=False,
                     extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
         torch.library.register_fake("optimum_ipex_spec::packed_mm")(_packed_mm_shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"

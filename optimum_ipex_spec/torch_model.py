@@ -121,7 +121,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
         for layer in model.model.layers:
             self._layers.append(self._pack(layer))
             if weights == "int8":  # hold the weights once: ours, int8
-                _release(*_layer_projections(layer))
+                _release(*layer_projections(layer))
         self._lm_head = self._matrix(model.lm_head)
         if weights == "int8":
             if not _head_is_embedding(model):
@@ -263,7 +263,7 @@ def _fused_bias(linears) -> Optional[torch.Tensor]:
                       for linear in linears])
 
 
-def _layer_projections(layer) -> tuple:
+def layer_projections(layer) -> tuple:
     """A decoder layer's seven ``nn.Linear`` projections (int8 weights replace and release them)."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
