@@ -71,7 +71,7 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
         _, chunk_gb, chunk_s = _load("fp32 verification graph", compiled.compile_chunk_step)
         step = compiled.runner.step
         chunk_graph = {"load_s": chunk_s, "load_rss_gb": chunk_gb, "step_rows": step.step_rows,
-                       "chunk_exact": step.chunk_exact, "kernel": step.chunk_kernel}
+                       "chunk_exact": step.chunk_exact, "kernel": step.kernel}
         cdraft, *loads["bf16 self-draft, compiled"] = _load("compiled draft", lambda: compiled.self_draft(
             backend="torch", torch_compile=True))
         idraft, *loads["int8 self-draft, compiled"] = _load("compiled int8 draft", lambda: compiled.self_draft(
@@ -196,9 +196,10 @@ def render(result) -> str:
         "",
         "Notes:",
         "- `ours compiled` loads in the time Inductor takes to compile its graphs (freezing, max-autotune over its C++ "
-        "GEMM templates): a 1-token graph (plain decoding); a target compiles its 4-token verification graph, and "
-        "holds a second packed copy of its weights, at its first chunk of draft tokens, or ahead with "
-        "`compile_chunk_step()`. In fp32 that graph is checked at its compile to give each token the bits the 1-token "
+        "GEMM templates; in fp32 on AVX-512, optimum_ipex_spec.packed_gemm's kernel instead): a 1-token graph (plain "
+        "decoding); a target compiles its 4-token verification graph at its first chunk of draft tokens, or ahead "
+        "with `compile_chunk_step()`, which holds a second packed copy of its weights where Inductor's GEMMs run (the "
+        "packed kernel's graphs share one). In fp32 that graph is checked at its compile to give each token the bits the 1-token "
         "graph gives it, so a decoded and a verified token compute the same logits (where the autotuner also offers "
         "ATen's kernels, before torch 2.13, a single token runs padded on the 4-token graph instead). The prefill "
         "stays on the eager decoder.",
@@ -214,11 +215,12 @@ def render(result) -> str:
         if chunk:
             lines.append(
                 f"- The {run['dtype']} target's verification graph, compiled before the draft rows: "
-                f"{chunk['load_s']:.0f} s, +{chunk['load_rss_gb']:.2f} GiB of RSS; single tokens run on "
+                f"{chunk['load_s']:.0f} s, {chunk['load_rss_gb']:+.2f} GiB of RSS; single tokens run on "
                 + ("a 1-token graph of their own" if chunk["step_rows"] == 1
                    else f"it, padded to {chunk['step_rows']} rows")
                 + ("" if chunk["chunk_exact"] else " (it rounds otherwise: chunks ran one token per call)")
-                + {"packed": "; its products run optimum_ipex_spec.packed_gemm's fp32 kernel",
+                + {"packed": "; both graphs' products run optimum_ipex_spec.packed_gemm's fp32 kernel, on one "
+                              "packed copy of the weights",
                    "inductor": "; its products run Inductor's GEMM templates"}.get(chunk.get("kernel"), "") + ".")
     if result.get("cpu"):
         lines.append(f"- CPU: {result['cpu']}.")

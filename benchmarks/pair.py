@@ -201,8 +201,9 @@ def render(result) -> str:
                 "here (the input embedding's table, of which a step reads one row, is counted, so the true bound is "
                 "somewhat higher). Only speculation, which reads the weights once for several tokens, can pass it.")
     lines += ["", "RSS after loading counts only the pages read so far: an fp32 target is the memory-mapped checkpoint, "
-              "read during generation (a compiled target also holds Inductor's packed copy of its weights, and its compile, at load, "
-              "packs them more than once: the peak after the target's load). The peak (VmHWM) is the process's, stock transformers' target included "
+              "read during generation (a compiled target also holds one packed copy of its weights: in fp32 on AVX-512 the "
+              "packed kernel's, shared by its two graphs; else Inductor's, whose compile packs them more than once: the peak "
+              "after the target's load). The peak (VmHWM) is the process's, stock transformers' target included "
               "unless `--no-stock`; in the second section it includes the first's."]
     return "\n".join(lines) + "\n"
 

@@ -21,10 +21,12 @@ chunks run one token at a time on the 1-token graph, logged). Where the autotune
 one-row and few-row products round differently) a single fp32 token runs padded on the chunk graph instead, one graph
 for both. The 1-token graph pays: on an Intel Xeon with AMX (1 thread, about 12 GB/s from memory) Inductor's fp32
 GEMMs read 4 rows 1.6x slower than 1, and SmolLM2's fp32 step went from 75 ms padded to 48.6 (stock: 63); on an AMD
-EPYC Zen 4 the padding cost 12%. For the same reason the fp32 chunk graph multiplies with
-:mod:`~optimum_ipex_spec.packed_gemm`'s kernel where it builds (AVX-512): Inductor's register blocking with the weight
-prefetched, each output the bits Inductor's 1-row GEMM gives it; SmolLM2's 4-token verification then costs 45.7 ms
-against a 42.0 ms step (Inductor's GEMMs: 71 ms), and the graph compiles in 29 s instead of 62 (no GEMM to
+EPYC Zen 4 the padding cost 12%. For the same reason both fp32 graphs multiply with
+:mod:`~optimum_ipex_spec.packed_gemm`'s kernel where it builds (AVX-512): Inductor's register blocking, each output
+one chain of fused multiply-adds in order whatever the row count (so a row's bits do not depend on the graph), the
+weight prefetched for 4 rows and read as two streams for 1, from one packed copy that both graphs share (Inductor's
+GEMM templates kept one per graph: a 1.5B target held its weights three times). SmolLM2's 4-token verification
+costs 45.7 ms against a 42.0 ms step (Inductor's GEMMs: 71 ms), and the graphs compile faster (no GEMM to
 autotune). Attention must round alike in every call a token can come in too, so its
 length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
 :data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
@@ -41,7 +43,8 @@ does (5 us a row for SmolLM2's 30 layers in bf16, 9 in fp32), not what ``max_new
 that length are dynamic dimensions of the graph (``torch._dynamo.mark_dynamic``), so neither recompiles; the length
 is always below the capacity (a graph traced on part of the buffers would recompile on the whole of them: a
 contiguity guard). The projections, norms, rotary tables and activation are the model's own
-modules: the step copies no weight (Inductor's frozen graph holds one packed copy of each).
+modules: the step copies no weight (the frozen graphs hold one packed copy of each: the packed kernel's, shared, or
+Inductor's, one per graph).
 
 With int8 weights (``weights="int8"``, a draft) the projections are the decoder's
 :class:`~optimum_ipex_spec.int8_weights.Int8Weight` matrices (fused q/k/v and gate/up), multiplied by
@@ -222,14 +225,14 @@ class _DecodeStep(torch.nn.Module):
                 torch.nn.ModuleList([_Int8Projection(qkv, bias), _Int8Projection(o), _Int8Projection(gate_up),
                                      _Int8Projection(down)]) for qkv, bias, o, gate_up, down in int8_layers)
             self.lm_head = _Int8Projection(int8_head)
-        #: fp32 dense only, from :meth:`pack_for_chunks`: per layer the packed q, k, v, o, gate, up, down projections,
-        #: and the head, which graphs of more than one row multiply with (:mod:`~optimum_ipex_spec.packed_gemm`)
+        #: fp32 dense only, from :meth:`pack`: per layer the packed q, k, v, o, gate, up, down projections, and the
+        #: head, which every graph traced after it multiplies with (:mod:`~optimum_ipex_spec.packed_gemm`)
         self.packed: Optional[torch.nn.ModuleList] = None
         self.packed_head: Optional[PackedLinear] = None
 
-    def pack_for_chunks(self) -> None:
-        """Packed copies of the fp32 projections and head (:class:`~optimum_ipex_spec.packed_gemm.PackedLinear`, one
-        more copy of the weights, as a graph of Inductor's own holds) for the chunk graph, traced after this."""
+    def pack(self) -> None:
+        """Packed copies of the fp32 projections and head (:class:`~optimum_ipex_spec.packed_gemm.PackedLinear`: one
+        more copy of the weights, as Inductor's own GEMMs would hold, shared by every graph traced after this)."""
         self.packed = torch.nn.ModuleList(
             torch.nn.ModuleList(PackedLinear(m.weight, m.bias) for m in layer_projections(layer))
             for layer in self.inner.layers)
@@ -251,15 +254,15 @@ class _DecodeStep(torch.nn.Module):
             allowed = allowed & (key_pos[None, :] > write_at[:, None] - self.sliding_window)
         # one query row per (head of a key/value group, token): the mask repeats per head of the group
         mask = allowed[None].expand(group, q, -1).reshape(1, 1, group * q, -1)
-        # a chunk (q is static per graph) multiplies by the packed weights where there are some
-        chunk_packed = self.packed is not None and q > 1
+        # the packed weights where there are some (Inductor's GEMMs on the model's weights otherwise)
+        packed = self.packed is not None
         for index, layer in enumerate(inner.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             if self.int8:
                 qkv_m, o_m, gate_up_m, down_m = self.int8_layers[index]
                 query, key, value = qkv_m(x).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-            elif chunk_packed:
+            elif packed:
                 q_p, k_p, v_p, o_p, gate_p, up_p, down_p = self.packed[index]
                 query, key, value = q_p(x), k_p(x), v_p(x)
             else:
@@ -283,7 +286,7 @@ class _DecodeStep(torch.nn.Module):
                 hidden = hidden + o_m(out)
                 gate, up = gate_up_m(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
                 hidden = hidden + down_m(mlp.act_fn(gate) * up)
-            elif chunk_packed:
+            elif packed:
                 hidden = hidden + o_p(out)
                 x = layer.post_attention_layernorm(hidden)
                 hidden = hidden + down_p(mlp.act_fn(gate_p(x)) * up_p(x))
@@ -292,7 +295,7 @@ class _DecodeStep(torch.nn.Module):
                 x = layer.post_attention_layernorm(hidden)
                 hidden = hidden + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
         hidden = inner.norm(hidden)
-        if chunk_packed:
+        if packed:
             return self.packed_head(hidden)
         return self.lm_head(hidden) if self.int8 else _linear(self.lm_head, hidden)
 
@@ -305,8 +308,9 @@ class CompiledDecodeStep:
         decoder: the :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder` of an fp32 or bf16 model: its model's
             modules (dense weights) or its int8 matrices are used, not copied; its attention geometry and window.
 
-    :meth:`compile` compiles the one-token graph (tens of seconds: SmolLM2-135M about a minute on 1 thread; the
-    verification graph, at the first chunk or :meth:`compile_chunk`, about half that in fp32 with the packed kernel,
+    :meth:`compile` compiles the one-token graph (tens of seconds: SmolLM2-135M about a minute on 1 thread, half that
+    in fp32 on the packed kernel; the verification graph, at the first chunk or :meth:`compile_chunk`, 14 s in fp32 on
+    the packed kernel,
     as long in bf16; the autotuning results are cached on disk, ``TORCHINDUCTOR_CACHE_DIR``, the frozen graph is not:
     a later process compiles again, faster) and
     returns False, logging why, when this machine cannot (no C++ compiler, an Inductor error, e.g. for a dynamic
@@ -346,10 +350,11 @@ class CompiledDecodeStep:
         #: (checked when it compiles, :meth:`_chunk_matches_steps`; True when that is the same graph); False: chunks run
         #: one token at a time on the 1-token graph
         self.chunk_exact: Optional[bool] = True if self.step_rows == CHUNK_ROWS else None
-        #: what multiplies the chunk graph's weights: "inductor" (its GEMM templates), or "packed" (fp32 with single
-        #: tokens on a graph of their own, where :func:`~optimum_ipex_spec.packed_gemm.packed_gemm_available`: the
-        #: kernel that reads 4 rows about as fast as 1)
-        self.chunk_kernel = "inductor"
+        #: what multiplies the graphs' weights: "inductor" (its GEMM templates, each graph its own packed copy), or
+        #: "packed" (fp32 with single tokens on a graph of their own, where
+        #: :func:`~optimum_ipex_spec.packed_gemm.packed_gemm_available`: one packed copy for both graphs, read as fast
+        #: for 4 rows as for 1, and each row the same bits in either graph by construction)
+        self.kernel = "inductor"
 
     def generation_capacity(self, tokens: int) -> int:
         """The cache capacity a generation of ``tokens`` tokens in all (prompt and new tokens) needs, so that it never
@@ -382,7 +387,11 @@ class CompiledDecodeStep:
     def compile(self) -> bool:
         """Compile the graph single tokens run on (:attr:`step_rows` tokens) on a small scratch cache; True when it
         worked (then :attr:`compile_seconds` is set). Where that is not the :data:`CHUNK_ROWS`-token graph, that one
-        compiles at the first chunk (:meth:`compile_chunk`)."""
+        compiles at the first chunk (:meth:`compile_chunk`). The exact fp32 graphs multiply with
+        :mod:`~optimum_ipex_spec.packed_gemm`'s kernel where it builds (:attr:`kernel`)."""
+        if self.exact and self.step_rows == 1 and packed_gemm_available():
+            self.module.pack()
+            self.kernel = "packed"
         self.compile_seconds = self._compile_graph(self.step_rows, "decode step")
         if self.compile_seconds is None:
             return False
@@ -406,9 +415,6 @@ class CompiledDecodeStep:
             return True
         logger.info("Compiling the %d-token chunk step with torch.compile (once per model; "
                     "model.compile_chunk_step() does it ahead)...", CHUNK_ROWS)
-        if self.exact and self.step_rows == 1 and packed_gemm_available():
-            self.module.pack_for_chunks()
-            self.chunk_kernel = "packed"
         self.chunk_compile_seconds = self._compile_graph(CHUNK_ROWS, f"{CHUNK_ROWS}-token chunk step")
         if self.chunk_compile_seconds is None:
             return False

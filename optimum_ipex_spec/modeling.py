@@ -302,7 +302,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         bf16 or int8 target's verification of draft tokens, and a draft's catch-up on the tokens it did not see
         (a draft with its own cache; a self-draft that reads its target's cache never runs it). In fp32 the graph is
         checked to give each token the bits the 1-token graph gives it (else chunks run one token per call, logged).
-        Costs a second packed copy of the weights (docs/memory.md).
+        In bf16 and int8 it costs a second packed copy of the weights; an fp32 graph shares the 1-token graph's
+        copy where both multiply with the packed fp32 kernel (AVX-512; docs/memory.md).
 
         Returns:
             True when the graph is ready; False for a model without a compiled step (no ``torch_compile``, the IPEX
@@ -599,9 +600,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             backend: ``"auto"`` (IPEX when usable, else the pure-PyTorch path, logged once),
                 ``"ipex"`` (raise if IPEX is unusable) or ``"torch"``.
             torch_compile: on the pure-PyTorch path (fp32 or bf16), compile the one-token decode step and the
-                4-token verification step with ``torch.compile`` (Inductor's C++ GEMM templates;
+                4-token verification step with ``torch.compile`` (Inductor's C++ GEMM templates; in fp32 on AVX-512
+                our packed kernel, :mod:`~optimum_ipex_spec.packed_gemm`;
                 :mod:`~optimum_ipex_spec.compiled_step`): SmolLM2-135M decodes x1.87 (fp32) / x3.70 (bf16) faster
-                than stock here. Compiling takes about a minute per graph (the verification graph at the first
+                than stock here. Compiling takes up to a minute per graph (the verification graph at the first
                 chunk of draft tokens; autotuning cached on disk by Inductor); if it fails the eager decoder runs,
                 logged. Default False.
 

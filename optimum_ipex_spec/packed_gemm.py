@@ -1,6 +1,6 @@
-"""An fp32 product of a few rows by a packed weight, for the compiled verification graph of an fp32 target
-(:mod:`~optimum_ipex_spec.compiled_step`): the weight read at the memory's speed, each output the same bits as
-Inductor's one-row GEMM gives it.
+"""An fp32 product of a few rows by a packed weight, for the compiled graphs of an fp32 target
+(:mod:`~optimum_ipex_spec.compiled_step`: its 1-token decode step and its 4-token verification): the weight read at
+the memory's speed, each output the same bits for any number of rows.
 
 Speculative decoding verifies :data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS` tokens in one call; that pays
 only while 4 rows cost about what 1 does (the weights are read once either way). On an Intel Xeon with AMX (1
@@ -8,19 +8,23 @@ thread, about 12 GB/s from memory) Inductor's fp32 GEMM template read SmolLM2-13
 but 8.6 GB/s for four (a 1536 x 576 weight: 254 against 411 us), and MKL's at 5.9 GB/s: a 4-token verification
 cost 1.6 decode steps. The same register blocking with a software prefetch of the weight 16 rows of ``k`` ahead
 reads four rows at 12.4 GB/s (285 us; 30 layers of SmolLM2's shapes, compiled: 38.0 ms for 4 rows against Inductor's
-49.3, its 1-row graph 30.9).
+49.3, its 1-row graph 30.9). One row reads two blocks at a time instead, two weight streams without the software
+prefetch, which the hardware prefetcher follows at the memory's speed (Qwen2.5-1.5B's shapes: 15.1-15.9 GB/s, MKL's
+15.3, Inductor's 13.7).
 
-The kernel is Inductor's ``CppMicroGemmFP32Vec`` register blocking (PyTorch, ``torch/_inductor/codegen/
-cpp_micro_gemm.py``: up to 4 rows x 48 columns of accumulators, one fused multiply-add per ``k`` in order from
-zero), so every output element is the same sequence of roundings as in Inductor's own kernel for any row count:
-a token verified in a chunk gets the bits the 1-token graph gives it decoded alone. The compiled step checks that on
-the machine that runs it (:meth:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep.compile_chunk`).
+Every output element is one chain of fused multiply-adds over ``k`` in order from zero, as in Inductor's
+``CppMicroGemmFP32Vec`` (PyTorch, ``torch/_inductor/codegen/cpp_micro_gemm.py``: up to 4 rows x 48 columns of
+accumulators), whatever the number of rows: a token verified in a chunk gets the bits the 1-token graph gives it
+decoded alone. Both graphs then multiply with the same packed copy of the weights, the only one the process holds
+besides the model's own (Inductor's GEMM templates would keep one per graph). The compiled step still checks the
+two graphs against each other on the machine that runs them
+(:meth:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep.compile_chunk`).
 
 It is a PyTorch operator (``torch.ops.optimum_ipex_spec.packed_mm``, with a fake implementation for tracing), built
 from the C++ below with ``torch.utils.cpp_extension.load_inline`` at the first use (20-40 s; cached in
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). It needs AVX-512 and a C++ compiler with
-ninja, as Inductor does; where either is missing :func:`packed_gemm_available` says so (logged once) and the graph
-keeps Inductor's GEMMs.
+ninja, as Inductor does; where either is missing :func:`packed_gemm_available` says so (logged once) and the graphs
+keep Inductor's GEMMs.
 """
 
 from __future__ import annotations
@@ -78,6 +82,33 @@ void rows_block(const float* A, int64_t lda, const float* B, float* C, int64_t l
     }
 }
 
+// C[0, 0:48] and C[0, 48:48 + ncols1] = A[0, :] @ [B0 B1], two packed blocks [K, 48] of one row: two weight streams,
+// which the hardware prefetcher follows at the memory's speed without a software prefetch; the same chain of fused
+// multiply-adds per output as rows_block's
+void one_row_two_blocks(const float* A, const float* B0, const float* B1, float* C, int64_t K, int64_t ncols1) {
+  __m512 acc[2][3];
+  for (int j = 0; j < 2; j++)
+    for (int c = 0; c < 3; c++) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const __m512 a = _mm512_set1_ps(A[k]);
+    const float* b0 = B0 + k * kBlockN;
+    const float* b1 = B1 + k * kBlockN;
+    acc[0][0] = _mm512_fmadd_ps(a, _mm512_loadu_ps(b0), acc[0][0]);
+    acc[0][1] = _mm512_fmadd_ps(a, _mm512_loadu_ps(b0 + 16), acc[0][1]);
+    acc[0][2] = _mm512_fmadd_ps(a, _mm512_loadu_ps(b0 + 32), acc[0][2]);
+    acc[1][0] = _mm512_fmadd_ps(a, _mm512_loadu_ps(b1), acc[1][0]);
+    acc[1][1] = _mm512_fmadd_ps(a, _mm512_loadu_ps(b1 + 16), acc[1][1]);
+    acc[1][2] = _mm512_fmadd_ps(a, _mm512_loadu_ps(b1 + 32), acc[1][2]);
+  }
+  for (int c = 0; c < 3; c++) _mm512_storeu_ps(C + c * 16, acc[0][c]);
+  for (int c = 0; c < 3; c++) {
+    const int64_t left = ncols1 - c * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    _mm512_mask_storeu_ps(C + kBlockN + c * 16, mask, acc[1][c]);
+  }
+}
+
 at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
               "packed_mm multiplies float32 tensors, got ", x.scalar_type(), " and ", packed.scalar_type());
@@ -94,6 +125,16 @@ at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const float* B = packed.data_ptr<float>();
   float* C = out.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    if (M == 1) {  // one row: two blocks at a time
+      int64_t block = begin;
+      for (; block + 1 < end; block += 2)
+        one_row_two_blocks(A, B + block * K * kBlockN, B + (block + 1) * K * kBlockN, C + block * kBlockN, K,
+                           std::min<int64_t>(kBlockN, n - (block + 1) * kBlockN));
+      if (block < end)
+        rows_block<1>(A, K, B + block * K * kBlockN, C + block * kBlockN, n, K,
+                      std::min<int64_t>(kBlockN, n - block * kBlockN));
+      return;
+    }
     for (int64_t block = begin; block < end; block++) {
       const float* Bb = B + block * K * kBlockN;
       const int64_t ncols = std::min<int64_t>(kBlockN, n - block * kBlockN);
@@ -127,10 +168,10 @@ def packed_gemm_available() -> bool:
     per process; the build is cached on disk). False, logged once, where it cannot be."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX512":
-        logger.info("The fp32 verification kernel needs AVX-512 (this CPU: %s): the compiled verification graph "
-                    "keeps Inductor's GEMMs.", capability)
+        logger.info("The packed fp32 kernel needs AVX-512 (this CPU: %s): the compiled fp32 graphs keep Inductor's "
+                    "GEMMs.", capability)
         return False
-    logger.info("Loading the fp32 verification kernel (built once per machine and torch, about 20-40 s; cached in "
+    logger.info("Loading the packed fp32 kernel (built once per machine and torch, about 20-40 s; cached in "
                 "TORCH_EXTENSIONS_DIR)...")
     try:
         from torch.utils.cpp_extension import load_inline
@@ -142,8 +183,8 @@ def packed_gemm_available() -> bool:
         torch.library.register_fake("optimum_ipex_spec::packed_mm")(_packed_mm_shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
         text = str(exc).strip().splitlines()
-        logger.warning("Could not build the fp32 verification kernel (%s: %s); the compiled verification graph "
-                       "keeps Inductor's GEMMs, which read 4 rows about 1.6x slower than 1 on some CPUs.",
+        logger.warning("Could not build the packed fp32 kernel (%s: %s); the compiled fp32 graphs keep Inductor's "
+                       "GEMMs, which read 4 rows about 1.6x slower than 1 on some CPUs.",
                        type(exc).__name__, text[0] if text else "")
         return False
     return True

@@ -102,6 +102,9 @@ def test_compiled_fp32_target_verifies_chunks_as_its_steps_decode(arch):
     padded = step._settings["max_autotune_gemm_backends"] != "CPP"
     assert step is not None and step.compile_seconds > 0
     assert step.step_rows == (compiled_step.CHUNK_ROWS if padded else 1)
+    # the 1-token graph already multiplies with the packed weights, which the chunk graph then shares
+    assert (step.module.packed is not None) == (step.kernel == "packed")
+    packed = step.module.packed
     torch.manual_seed(0)
     prompt, more = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 6))
     caches = {name: m.runner.new_cache(1, 10) for name, m in (("eager", eager), ("steps", compiled),
@@ -114,8 +117,8 @@ def test_compiled_fp32_target_verifies_chunks_as_its_steps_decode(arch):
     # the chunk compiled the 4-token graph, which checked that it gives each row the 1-token graph's bits (or it is
     # the one graph)
     assert step.chunk_exact is True and not step.failed and (step.chunk_compile_seconds == 0) == padded
-    # the chunk graph's products: the packed fp32 kernel on AVX-512 CPUs where single tokens have their own graph
-    assert step.chunk_kernel == ("packed" if not padded and _avx512() else "inductor")
+    # both graphs multiply with the packed fp32 kernel on AVX-512 CPUs where single tokens have a graph of their own
+    assert step.kernel == ("packed" if not padded and _avx512() else "inductor") and step.module.packed is packed
     assert want.shape == steps.shape == chunk.shape == (1, 6, 512) and chunk.dtype == torch.float32
     scale = want.abs().max()
     assert (steps - want).abs().max() <= 1e-5 * scale and (chunk - want).abs().max() <= 1e-5 * scale
@@ -236,7 +239,7 @@ def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_stra
     assert target.runner.step is not None
     assert target.compile_chunk_step() and target.runner.step.chunk_exact is True  # ahead: no graph compiles below
     padded = target.runner.step.step_rows == compiled_step.CHUNK_ROWS
-    assert target.runner.step.chunk_kernel == ("packed" if not padded and _avx512() else "inductor")
+    assert target.runner.step.kernel == ("packed" if not padded and _avx512() else "inductor")
     draft = target.self_draft(backend="torch")
     draft.generation_config.num_assistant_tokens = 4
     draft.generation_config.assistant_confidence_threshold = 0.0  # a random model is never confident

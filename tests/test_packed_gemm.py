@@ -1,4 +1,4 @@
-"""optimum_ipex_spec.packed_gemm: the fp32 verification kernel. Its products against F.linear, every row of a
+"""optimum_ipex_spec.packed_gemm: the packed fp32 kernel of the compiled fp32 graphs. Its products against F.linear, every row of a
 chunk the same bits as that row alone (and as Inductor's compiled one-row GEMM), the packed layout, bad input, and
 the fallback where it cannot run."""
 
@@ -100,7 +100,7 @@ def test_a_failed_build_is_logged_and_the_chunk_graph_keeps_inductors_gemms(monk
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec"):
         assert packed_gemm.packed_gemm_available.__wrapped__() is False
-    assert "Could not build the fp32 verification kernel (RuntimeError: Ninja is required" in caplog.text
+    assert "Could not build the packed fp32 kernel (RuntimeError: Ninja is required" in caplog.text
     monkeypatch.setattr(compiled_step, "packed_gemm_available", lambda: False)
     from optimum_ipex_spec import IPEXModelForCausalLM
 
@@ -108,4 +108,4 @@ def test_a_failed_build_is_logged_and_the_chunk_graph_keeps_inductors_gemms(monk
                                                          torch_compile=True)
     assert model.compile_chunk_step()
     step = model.runner.step
-    assert step.chunk_kernel == "inductor" and step.module.packed is None and step.chunk_exact is True
+    assert step.kernel == "inductor" and step.module.packed is None and step.chunk_exact is True
