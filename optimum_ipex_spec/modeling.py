@@ -242,9 +242,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 ``n``, a 1-D int64 tensor for those positions. ``generate()`` passes 1 for the prompt and ``k + 1``
                 for a verification of k draft tokens; the pure-PyTorch decoder then runs the LM head on those
                 positions only (the IPEX graphs compute all and are sliced). An ``n > 1`` on an empty cache (batch 1:
-                speculative decoding's first round, the prompt and its first ``n - 1`` candidates) runs as two calls,
-                the prompt alone and then the candidates, so that the first token's logits are plain decoding's bit
-                for bit.
+                speculative decoding's first round, the prompt and its first ``n - 1`` candidates; ``n = q`` on a
+                1-token prompt) runs as two calls, the prompt alone and then the candidates, so that the first
+                token's logits are plain decoding's bit for bit; not with labels, hidden states or attentions.
 
         Returns:
             ``CausalLMOutputWithPast`` with ``logits`` ``[batch, q, vocab]`` (``q`` cut by ``logits_to_keep``) in
@@ -877,12 +877,17 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 register_for_pipelines(IPEXModelForCausalLM.__name__)
 
 
+#: forward arguments whose outputs cover every position of the call: such a call is never split in two
+_WHOLE_CALL_OUTPUTS = ("labels", "output_hidden_states", "output_attentions", "inputs_embeds", "head_mask")
+
+
 def _prefill_with_candidates(input_ids, cache, logits_to_keep, use_cache: bool, kwargs) -> bool:
     """Whether a forward call is speculative decoding's first verification: one sequence on an empty cache, keeping
-    the logits of its last ``logits_to_keep`` (> 1) positions, fewer than its tokens (transformers' assisted
-    decoding asks for ``k + 1``: the prompt's last token's and the ``k`` candidates'; a plain prefill asks for 1)."""
+    the logits of its last ``logits_to_keep`` (> 1) positions, at most its tokens (transformers' assisted decoding
+    asks for ``k + 1``: the prompt's last token's and the ``k`` candidates'; all of them on a 1-token prompt; a plain
+    prefill asks for 1), and asking for nothing that covers the whole call (hidden states, attentions, a loss)."""
     return (isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool)
             and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1
-            and 1 < logits_to_keep < input_ids.shape[1]
-            and use_cache and kwargs.get("labels") is None
+            and 1 < logits_to_keep <= input_ids.shape[1] and use_cache
+            and all(kwargs.get(name) is None or kwargs.get(name) is False for name in _WHOLE_CALL_OUTPUTS)
             and (cache is None or cache.get_seq_length() == 0))

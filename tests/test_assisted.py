@@ -299,3 +299,27 @@ def test_speculative_sampling_keeps_target_distribution(pairing):
         # TV of 1500 samples from the exact law over 12 outcomes is ~0.03 on average; a biased
         # verifier (e.g. greedy acceptance) moves it by the draft/target gap (>0.2 here)
         assert tv < 0.07, (pairing, tv, empirical, exact)
+
+
+def test_a_one_token_prompt_is_prefilled_alone_too_so_a_near_tie_keeps_plain_greedys_token():
+    """A 1-token prompt's first round calls the target on the prompt and all its candidates (``logits_to_keep`` equal
+    to the call's length): that call is split too, so its first logits are plain decoding's bit for bit. The LM head
+    makes token B a near-tie of the prompt's greedy token A (logits about 1e-8 apart): unsplit, the first round's
+    rounding chose B where plain greedy chose A (found by a break-it review; drafts ours and transformers')."""
+    vocab = 512
+    ref = build_tiny("llama", vocab_size=vocab)
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        top = int(ref(ids).logits[0, -1].argmax())
+        torch.manual_seed(123)
+        ref.lm_head.weight[top + 1] = ref.lm_head.weight[top] + 2e-9 * torch.randn(ref.config.hidden_size)
+    target = IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(ref))
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, max_new_tokens=4,
+                  return_dict_in_generate=True, output_logits=True)
+    plain = target.generate(ids, **kwargs)
+    for draft in (build_tiny("llama", seed=1, vocab_size=vocab),
+                  IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", seed=1, vocab_size=vocab))):
+        got = target.generate(ids, assistant_model=draft, num_assistant_tokens_schedule="constant",
+                              num_assistant_tokens=3, assistant_confidence_threshold=0.0, **kwargs)
+        assert torch.equal(got.sequences, plain.sequences), type(draft).__name__
+        assert torch.equal(got.logits[0], plain.logits[0]), type(draft).__name__

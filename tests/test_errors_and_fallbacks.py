@@ -205,6 +205,22 @@ def test_labels_give_the_transformers_loss(ipex_llama, tiny_dir):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_the_pure_pytorch_path_gives_the_loss_and_every_hidden_state(tiny_dir):
+    """backend="torch": labels give transformers' loss (a labels tensor once raised "Boolean value of Tensor ... is
+    ambiguous"), and hidden states cover every position even where logits_to_keep keeps a few on an empty cache
+    (such a call is otherwise split into the prompt and the rest, speculative decoding's first round)."""
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dir("llama")).eval()
+    model = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, backend="torch")
+    ids = torch.tensor([[5, 9, 200, 17, 3, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, labels=ids).loss, stock(ids, labels=ids).loss, atol=1e-5, rtol=1e-5)
+        got = model(ids, logits_to_keep=3, output_hidden_states=True)
+        want = stock(ids, logits_to_keep=3, output_hidden_states=True)
+    assert got.logits.shape == want.logits.shape == (1, 3, stock.config.vocab_size)
+    assert [h.shape for h in got.hidden_states] == [h.shape for h in want.hidden_states]
+    assert all(h.shape[1] == ids.shape[1] for h in got.hidden_states)
+
+
 def test_to_dtype_or_device_raises(ipex_llama):
     with pytest.raises(ValueError, match="cannot change dtype"):
         ipex_llama.to(torch.float16)

@@ -198,6 +198,9 @@ def test_the_first_round_prefills_the_prompt_alone(pair, tokenizer):
     assert together.logits.shape[1] == candidates.shape[1] + 1
     assert torch.equal(together.logits[:, :1], prompt_only)
     assert together.past_key_values.get_seq_length() == ids.shape[1] + candidates.shape[1]
+    # a 1-token prompt: the call keeps the logits of all its positions, and is split all the same
+    one = model(ids[:, -5:], logits_to_keep=5).logits
+    assert one.shape[1] == 5 and torch.equal(one[:, :1], model(ids[:, -5:-4], logits_to_keep=1).logits)
     kwargs = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
     plain = model.generate(**inputs, **kwargs)
     looked_up = model.generate(**inputs, prompt_lookup_num_tokens=6, num_assistant_tokens_schedule="constant",

@@ -74,7 +74,8 @@ class TorchDecoderRunner(Runner):
             ValueError: empty or non-2-D ``input_ids``; a non-empty cache of another batch size."""
         if not self.serves(cache, kwargs):
             what = "a transformers cache" if cache is not None and not isinstance(cache, PreallocatedKVCache) else (
-                ", ".join(name for name in _EAGER_ONLY if (kwargs or {}).get(name) not in (None, False)))
+                ", ".join(name for name in _EAGER_ONLY
+                          if (kwargs or {}).get(name) is not None and (kwargs or {}).get(name) is not False))
             return self._eager(what).forward(input_ids, attention_mask, cache, position_ids, use_cache, kwargs)
         import torch
 
