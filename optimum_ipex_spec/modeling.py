@@ -58,6 +58,7 @@ from .facts import (
 )
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
+from .runners.base import whole_call_arguments
 from .runners.eager import dynamic_cache_for_assisted
 from .strategy import (
     DRAFT_ARGUMENTS,
@@ -277,13 +278,17 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         token); split, the first token's logits are plain decoding's bit for bit, and the candidates' logits those
         of the graph that verifies every later round. Logits ``[1, logits_to_keep, vocab]``."""
         prompt = input_ids.shape[1] - logits_to_keep + 1
+        # per-token arguments of transformers' forward (the eager runner's): each part gets its own positions
+        head = {name: value[..., :prompt] for name, value in kwargs.items() if name in _PER_TOKEN_ARGUMENTS
+                and isinstance(value, torch.Tensor)}
+        tail = {name: value[..., prompt:] for name, value in kwargs.items() if name in head}
         first = self.runner.forward(input_ids[:, :prompt],
                                     None if attention_mask is None else attention_mask[:, :prompt], cache,
                                     None if position_ids is None else position_ids[:, :prompt], True,
-                                    {**kwargs, "logits_to_keep": 1})
+                                    {**kwargs, **head, "logits_to_keep": 1})
         out = self.runner.forward(input_ids[:, prompt:], attention_mask, first.past_key_values,
                                   None if position_ids is None else position_ids[:, prompt:], True,
-                                  {**kwargs, "logits_to_keep": logits_to_keep - 1})
+                                  {**kwargs, **tail, "logits_to_keep": logits_to_keep - 1})
         out.logits = torch.cat([first.logits, out.logits], dim=1)
         return out
 
@@ -877,8 +882,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 register_for_pipelines(IPEXModelForCausalLM.__name__)
 
 
-#: forward arguments whose outputs cover every position of the call: such a call is never split in two
-_WHOLE_CALL_OUTPUTS = ("labels", "output_hidden_states", "output_attentions", "inputs_embeds", "head_mask")
+#: forward arguments with one entry per token of the call (transformers' names), cut with it when it is split
+_PER_TOKEN_ARGUMENTS = ("cache_position", "token_type_ids")
 
 
 def _prefill_with_candidates(input_ids, cache, logits_to_keep, use_cache: bool, kwargs) -> bool:
@@ -889,5 +894,5 @@ def _prefill_with_candidates(input_ids, cache, logits_to_keep, use_cache: bool, 
     return (isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool)
             and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1
             and 1 < logits_to_keep <= input_ids.shape[1] and use_cache
-            and all(kwargs.get(name) is None or kwargs.get(name) is False for name in _WHOLE_CALL_OUTPUTS)
+            and not whole_call_arguments(kwargs)
             and (cache is None or cache.get_seq_length() == 0))

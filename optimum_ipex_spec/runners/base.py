@@ -11,6 +11,16 @@ from typing import Any, Dict, Optional
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+#: forward arguments that ask for more than logits and a cache (transformers' names); what they return covers every
+#: position of the call. Our decoder leaves them to transformers' forward, and a call with one is never split
+#: (``IPEXModelForCausalLM.forward``).
+WHOLE_CALL_ARGUMENTS = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states", "head_mask")
+
+
+def whole_call_arguments(kwargs) -> list:
+    """The names among :data:`WHOLE_CALL_ARGUMENTS` that forward ``kwargs`` set (to neither None nor False)."""
+    return [name for name in WHOLE_CALL_ARGUMENTS if kwargs.get(name) is not None and kwargs.get(name) is not False]
+
 
 class Runner:
     """One runtime for a causal LM's forward.

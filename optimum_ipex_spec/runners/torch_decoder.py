@@ -11,11 +11,8 @@ from ..compat import cache_kwarg, prepare_cache_capacity
 from ..compiled_step import CHUNK_ROWS, CompiledDecodeStep
 from ..torch_cache import PreallocatedKVCache
 from ..torch_model import TorchCausalLMDecoder
-from .base import Runner, mask_and_positions, output, passed_to_forward
+from .base import Runner, mask_and_positions, output, passed_to_forward, whole_call_arguments
 from .eager import EagerRunner
-
-#: forward arguments only transformers' own forward serves
-_EAGER_ONLY = ("inputs_embeds", "labels", "output_attentions", "output_hidden_states", "head_mask")
 
 
 class TorchDecoderRunner(Runner):
@@ -66,16 +63,14 @@ class TorchDecoderRunner(Runner):
         """True when the decoder (not transformers' forward) runs a call with this cache and these arguments."""
         if cache is not None and not isinstance(cache, PreallocatedKVCache):
             return False
-        kwargs = kwargs or {}
-        return not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _EAGER_ONLY)
+        return not whole_call_arguments(kwargs or {})
 
     def forward(self, input_ids, attention_mask, cache, position_ids, use_cache, kwargs):
         """Raises:
             ValueError: empty or non-2-D ``input_ids``; a non-empty cache of another batch size."""
         if not self.serves(cache, kwargs):
             what = "a transformers cache" if cache is not None and not isinstance(cache, PreallocatedKVCache) else (
-                ", ".join(name for name in _EAGER_ONLY
-                          if (kwargs or {}).get(name) is not None and (kwargs or {}).get(name) is not False))
+                ", ".join(whole_call_arguments(kwargs or {})))
             return self._eager(what).forward(input_ids, attention_mask, cache, position_ids, use_cache, kwargs)
         import torch
 
