@@ -55,8 +55,7 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
     ours, *loads["ours eager"] = _load("ours", lambda: IPEXModelForCausalLM.from_pretrained(
         path, export=True, torch_dtype=dtype, backend="torch"))
     configs.append(("ours eager", ours, {}))
-    # fp32 decodes and verifies on one graph, compiled at load; the bf16 section decodes plain, which never compiles
-    # the 4-token verification graph (nor holds its packed copy of the weights)
+    # single tokens run on a graph of their own (before torch 2.13 fp32 ones run padded on the 4-token graph)
     compiled, *loads["ours compiled"] = _load("ours compiled", lambda: IPEXModelForCausalLM.from_pretrained(
         path, export=True, torch_dtype=dtype, backend="torch", torch_compile=True))
     configs.append(("ours compiled", compiled, {}))
@@ -64,14 +63,14 @@ def run_dtype(args, dtype_name, path, prompts, tokenizer):
         graphs, *loads["ours IPEX graphs"] = _load("ours IPEX graphs", lambda: IPEXModelForCausalLM.from_pretrained(
             path, export=True, torch_dtype=dtype, backend="ipex"))
         configs.append(("ours IPEX graphs", graphs, {}))
-    chunk_graph = None
+    # the target's 4-token verification graph, compiled ahead (not inside the first timed round; in bf16 for its
+    # memory only: nothing below verifies on a bf16 target); where single fp32 tokens run padded on it (torch < 2.13)
+    # it compiled at load and this is instant
+    _, chunk_gb, chunk_s = _load(f"{dtype_name} verification graph", compiled.compile_chunk_step)
+    step = compiled.runner.step
+    chunk_graph = {"load_s": chunk_s, "load_rss_gb": chunk_gb, "step_rows": step.step_rows,
+                   "chunk_exact": step.chunk_exact, "kernel": step.kernel}
     if dtype == torch.float32:
-        # the target's 4-token verification graph, compiled ahead (not inside the first timed round); where single
-        # tokens run padded on it (torch < 2.13) it compiled at load and this is instant
-        _, chunk_gb, chunk_s = _load("fp32 verification graph", compiled.compile_chunk_step)
-        step = compiled.runner.step
-        chunk_graph = {"load_s": chunk_s, "load_rss_gb": chunk_gb, "step_rows": step.step_rows,
-                       "chunk_exact": step.chunk_exact, "kernel": step.kernel}
         cdraft, *loads["bf16 self-draft, compiled"] = _load("compiled draft", lambda: compiled.self_draft(
             backend="torch", torch_compile=True))
         idraft, *loads["int8 self-draft, compiled"] = _load("compiled int8 draft", lambda: compiled.self_draft(
@@ -196,10 +195,11 @@ def render(result) -> str:
         "",
         "Notes:",
         "- `ours compiled` loads in the time Inductor takes to compile its graphs (freezing, max-autotune over its C++ "
-        "GEMM templates; in fp32 on AVX-512, optimum_ipex_spec.packed_gemm's kernel instead): a 1-token graph (plain "
-        "decoding); a target compiles its 4-token verification graph at its first chunk of draft tokens, or ahead "
-        "with `compile_chunk_step()`, which holds a second packed copy of its weights where Inductor's GEMMs run (the "
-        "packed kernel's graphs share one). In fp32 that graph is checked at its compile to give each token the bits the 1-token "
+        "GEMM templates; on AVX-512, optimum_ipex_spec.packed_gemm's kernel instead, fp32 and, with AVX512-BF16, bf16): "
+        "a 1-token graph (plain decoding); a target compiles its 4-token verification graph at its first chunk of "
+        "draft tokens, or ahead with `compile_chunk_step()`, which holds a second packed copy of its weights where "
+        "Inductor's GEMMs run (the packed kernel's graphs share one; in fp32 it replaces the model's own weights, "
+        "which the prefill then multiplies with too: each weight held once). In fp32 that graph is checked at its compile to give each token the bits the 1-token "
         "graph gives it, so a decoded and a verified token compute the same logits (where the autotuner also offers "
         "ATen's kernels, before torch 2.13, a single token runs padded on the 4-token graph instead). The prefill "
         "stays on the eager decoder.",
@@ -214,13 +214,13 @@ def render(result) -> str:
         chunk = run.get("chunk_graph")
         if chunk:
             lines.append(
-                f"- The {run['dtype']} target's verification graph, compiled before the draft rows: "
+                f"- The {run['dtype']} target's verification graph, compiled ahead (before the timed rounds): "
                 f"{chunk['load_s']:.0f} s, {chunk['load_rss_gb']:+.2f} GiB of RSS; single tokens run on "
                 + ("a 1-token graph of their own" if chunk["step_rows"] == 1
                    else f"it, padded to {chunk['step_rows']} rows")
-                + ("" if chunk["chunk_exact"] else " (it rounds otherwise: chunks ran one token per call)")
-                + {"packed": "; both graphs' products run optimum_ipex_spec.packed_gemm's fp32 kernel, on one "
-                              "packed copy of the weights",
+                + (" (it rounds otherwise: chunks ran one token per call)" if chunk["chunk_exact"] is False else "")
+                + {"packed": f"; both graphs' products run optimum_ipex_spec.packed_gemm's {run['dtype']} kernel, "
+                              "on one packed copy of the weights",
                    "inductor": "; its products run Inductor's GEMM templates"}.get(chunk.get("kernel"), "") + ".")
     if result.get("cpu"):
         lines.append(f"- CPU: {result['cpu']}.")

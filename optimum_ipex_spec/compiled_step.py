@@ -25,9 +25,11 @@ EPYC Zen 4 the padding cost 12%. For the same reason both fp32 graphs multiply w
 :mod:`~optimum_ipex_spec.packed_gemm`'s kernel where it builds (AVX-512): Inductor's register blocking, each output
 one chain of fused multiply-adds in order whatever the row count (so a row's bits do not depend on the graph), the
 weight prefetched for 4 rows and read as two streams for 1, from one packed copy that both graphs share (Inductor's
-GEMM templates kept one per graph: a 1.5B target held its weights three times). SmolLM2's 4-token verification
-costs 45.7 ms against a 42.0 ms step (Inductor's GEMMs: 71 ms), and the graphs compile faster (no GEMM to
-autotune). Attention must round alike in every call a token can come in too, so its
+GEMM templates kept one per graph: a 1.5B target held its weights three times), and in fp32 the model's own weights
+are released for it (:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed`: each weight held once).
+SmolLM2's 4-token verification costs 45.7 ms against a 42.0 ms step (Inductor's GEMMs: 71 ms), and the graphs
+compile faster (no GEMM to autotune). bf16 graphs multiply with the kernel's bf16 form where the CPU has AVX512-BF16
+(one packed copy for both graphs beside the model's, which its prefill keeps for oneDNN's AMX kernels). Attention must round alike in every call a token can come in too, so its
 length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
 :data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
 inside a generation), else the filled rows rounded up to a multiple of it, the kernel's block, where any multiple
@@ -44,7 +46,7 @@ that length are dynamic dimensions of the graph (``torch._dynamo.mark_dynamic``)
 is always below the capacity (a graph traced on part of the buffers would recompile on the whole of them: a
 contiguity guard). The projections, norms, rotary tables and activation are the model's own
 modules: the step copies no weight (the frozen graphs hold one packed copy of each: the packed kernel's, shared, or
-Inductor's, one per graph).
+Inductor's, one per graph; in fp32 the packed copy then replaces the model's).
 
 With int8 weights (``weights="int8"``, a draft) the projections are the decoder's
 :class:`~optimum_ipex_spec.int8_weights.Int8Weight` matrices (fused q/k/v and gate/up), multiplied by
@@ -225,18 +227,18 @@ class _DecodeStep(torch.nn.Module):
                 torch.nn.ModuleList([_Int8Projection(qkv, bias), _Int8Projection(o), _Int8Projection(gate_up),
                                      _Int8Projection(down)]) for qkv, bias, o, gate_up, down in int8_layers)
             self.lm_head = _Int8Projection(int8_head)
-        #: fp32 dense only, from :meth:`pack`: per layer the packed q, k, v, o, gate, up, down projections, and the
+        #: dense fp32 or bf16 only, from :meth:`pack`: per layer the packed q, k, v, o, gate, up, down projections, and the
         #: head, which every graph traced after it multiplies with (:mod:`~optimum_ipex_spec.packed_gemm`)
         self.packed: Optional[torch.nn.ModuleList] = None
         self.packed_head: Optional[PackedLinear] = None
 
     def pack(self) -> None:
-        """Packed copies of the fp32 projections and head (:class:`~optimum_ipex_spec.packed_gemm.PackedLinear`: one
+        """Packed copies of the fp32 or bf16 projections and head (:class:`~optimum_ipex_spec.packed_gemm.PackedLinear`: one
         more copy of the weights, as Inductor's own GEMMs would hold, shared by every graph traced after this)."""
         self.packed = torch.nn.ModuleList(
-            torch.nn.ModuleList(PackedLinear(m.weight, m.bias) for m in layer_projections(layer))
-            for layer in self.inner.layers)
-        self.packed_head = PackedLinear(self.lm_head.weight, self.lm_head.bias)
+            torch.nn.ModuleList(PackedLinear.of(m) for m in layer_projections(layer)) for layer in self.inner.layers)
+        self.packed_head = PackedLinear.of(self.lm_head)
+        self.lm_head = self.packed_head  # not the model's head module, which a model holding its weights once drops
 
     def forward(self, input_ids, position_ids, write_at, key_pos, keys, values):
         # input_ids, position_ids: int64 [1, q]; write_at: int64 [q] (the cache rows of these tokens); key_pos: int64
@@ -339,6 +341,8 @@ class CompiledDecodeStep:
         #: logits then do not depend on the call it comes in, as the kernel's rounding depends on the rows it reads,
         #: masked ones included) rather than the filled rows (bf16 and int8)
         self.exact = self.dtype == torch.float32 and not int8
+        #: dense weights (fp32 or bf16, not int8): the graphs can multiply with the packed kernel
+        self.dense = not int8
         #: rows of the graph a single token runs on: 1, its own static graph (Inductor picks each GEMM's blocking for
         #: one row), except in the exact fp32 step where ATen's kernels are offered to the autotuner too (before
         #: CPP_ONLY_FROM_TORCH): MKL's one-row and few-row products round differently, so a token runs padded on the
@@ -351,9 +355,9 @@ class CompiledDecodeStep:
         #: one token at a time on the 1-token graph
         self.chunk_exact: Optional[bool] = True if self.step_rows == CHUNK_ROWS else None
         #: what multiplies the graphs' weights: "inductor" (its GEMM templates, each graph its own packed copy), or
-        #: "packed" (fp32 with single tokens on a graph of their own, where
-        #: :func:`~optimum_ipex_spec.packed_gemm.packed_gemm_available`: one packed copy for both graphs, read as fast
-        #: for 4 rows as for 1, and each row the same bits in either graph by construction)
+        #: "packed" (fp32 or bf16 dense weights with single tokens on a graph of their own, where
+        #: :func:`~optimum_ipex_spec.packed_gemm.packed_gemm_available` for the dtype: one packed copy for both
+        #: graphs, read as fast for 4 rows as for 1, and each row the same bits in either graph by construction)
         self.kernel = "inductor"
 
     def generation_capacity(self, tokens: int) -> int:
@@ -384,16 +388,28 @@ class CompiledDecodeStep:
             torch._dynamo.mark_dynamic(buffer, 2)  # any capacity runs the same graph
         self._run([0] * rows, 0, cache, rows, scratch=True)
 
+    def pack(self) -> bool:
+        """Pack the dense weights for :mod:`~optimum_ipex_spec.packed_gemm`'s kernel (once; fp32 or bf16 with single
+        tokens on a graph of their own, where the kernel builds for the dtype): True when the graphs will multiply
+        with it (:attr:`kernel` ``"packed"``). :meth:`compile` does it first; call it ahead to hand the packed copies
+        to the model before the graphs are traced (the runner does in fp32)."""
+        if self.kernel != "packed" and self.dense and self.step_rows == 1 and packed_gemm_available(self.dtype):
+            self.module.pack()
+            self.kernel = "packed"
+        return self.kernel == "packed"
+
     def compile(self) -> bool:
         """Compile the graph single tokens run on (:attr:`step_rows` tokens) on a small scratch cache; True when it
         worked (then :attr:`compile_seconds` is set). Where that is not the :data:`CHUNK_ROWS`-token graph, that one
-        compiles at the first chunk (:meth:`compile_chunk`). The exact fp32 graphs multiply with
-        :mod:`~optimum_ipex_spec.packed_gemm`'s kernel where it builds (:attr:`kernel`)."""
-        if self.exact and self.step_rows == 1 and packed_gemm_available():
-            self.module.pack()
-            self.kernel = "packed"
+        compiles at the first chunk (:meth:`compile_chunk`). The graphs multiply with
+        :mod:`~optimum_ipex_spec.packed_gemm`'s kernel where it builds (:meth:`pack`, :attr:`kernel`); if the
+        compile fails the step drops its packed copies."""
+        self.pack()
         self.compile_seconds = self._compile_graph(self.step_rows, "decode step")
         if self.compile_seconds is None:
+            self.module.packed = self.module.packed_head = None  # the eager decoder runs: no packed copy held
+            self.kernel = "inductor"
+            return_freed_memory()
             return False
         logger.info("Compiled the %s decode step with torch.compile in %.1f s.", dtype_name(self.dtype),
                     self.compile_seconds)

@@ -56,6 +56,7 @@ from .facts import (
     resolve_dtype,
     WEIGHT_FORMATS,
 )
+from .packed_gemm import unpacked_state_dict
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
 from .runners.base import whole_call_arguments
@@ -307,8 +308,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         bf16 or int8 target's verification of draft tokens, and a draft's catch-up on the tokens it did not see
         (a draft with its own cache; a self-draft that reads its target's cache never runs it). In fp32 the graph is
         checked to give each token the bits the 1-token graph gives it (else chunks run one token per call, logged).
-        In bf16 and int8 it costs a second packed copy of the weights; an fp32 graph shares the 1-token graph's
-        copy where both multiply with the packed fp32 kernel (AVX-512; docs/memory.md).
+        In int8 (and in bf16 without AVX512-BF16) it costs a second packed copy of the weights; fp32 and bf16 graphs
+        share the 1-token graph's copy where both multiply with the packed kernel (AVX-512; docs/memory.md).
 
         Returns:
             True when the graph is ready; False for a model without a compiled step (no ``torch_compile``, the IPEX
@@ -605,8 +606,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             backend: ``"auto"`` (IPEX when usable, else the pure-PyTorch path, logged once),
                 ``"ipex"`` (raise if IPEX is unusable) or ``"torch"``.
             torch_compile: on the pure-PyTorch path (fp32 or bf16), compile the one-token decode step and the
-                4-token verification step with ``torch.compile`` (Inductor's C++ GEMM templates; in fp32 on AVX-512
-                our packed kernel, :mod:`~optimum_ipex_spec.packed_gemm`;
+                4-token verification step with ``torch.compile`` (Inductor's C++ GEMM templates; on AVX-512 our
+                packed kernel, fp32 and, with AVX512-BF16, bf16, :mod:`~optimum_ipex_spec.packed_gemm`: one packed
+                copy of the weights for both graphs, and in fp32 the only copy, the model's own released;
                 :mod:`~optimum_ipex_spec.compiled_step`): SmolLM2-135M decodes x1.87 (fp32) / x3.70 (bf16) faster
                 than stock here. Compiling takes up to a minute per graph (the verification graph at the first
                 chunk of draft tokens; autotuning cached on disk by Inductor); if it fails the eager decoder runs,
@@ -738,7 +740,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
         if you still need the eager model, or want to export it again. ``weights="int8"`` (``backend="torch"``,
         bf16): weight-only int8 on our decoder, releasing ``model``'s projection weights. ``torch_compile``: as
-        in :meth:`from_pretrained`.
+        in :meth:`from_pretrained`; in fp32 on the packed kernel ``model``'s projections and head become the packed
+        copies its graphs multiply with (``model`` still runs, on them; each weight held once).
 
         Raises:
             ValueError: not a causal LM, unsupported dtype or backend; ``model`` was already optimized by IPEX
@@ -868,9 +871,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         else:
             # in bf16 the decoder fuses q/k/v and gate/up, and the layers' weights are row slices of the fused
             # matrices; a checkpoint holds each weight on its own: those slices are copied for the save (the fused
-            # weights once more in memory while it runs)
+            # weights once more in memory while it runs); an fp32 model compiled on the packed kernel holds its
+            # projections packed only: they are unpacked for the save (a copy too)
             state_dict = {name: tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
-                          for name, tensor in self.model.state_dict().items()}
+                          for name, tensor in unpacked_state_dict(self.model).items()}
             self.model.save_pretrained(save_directory, state_dict=state_dict)
         self.generation_config.save_pretrained(save_directory)
         ipex_version = ipex_status().ipex_version if self.backend == "ipex" else None

@@ -1,6 +1,6 @@
-"""An fp32 product of a few rows by a packed weight, for the compiled graphs of an fp32 target
-(:mod:`~optimum_ipex_spec.compiled_step`: its 1-token decode step and its 4-token verification): the weight read at
-the memory's speed, each output the same bits for any number of rows.
+"""A product of a few rows by a packed weight, fp32 or bf16, for the compiled graphs of
+:mod:`~optimum_ipex_spec.compiled_step` (its 1-token decode step and its 4-token verification): the weight read at
+the memory's speed, each output the same bits for any number of rows, one packed copy for both graphs.
 
 Speculative decoding verifies :data:`~optimum_ipex_spec.compiled_step.CHUNK_ROWS` tokens in one call; that pays
 only while 4 rows cost about what 1 does (the weights are read once either way). On an Intel Xeon with AMX (1
@@ -12,19 +12,28 @@ reads four rows at 12.4 GB/s (285 us; 30 layers of SmolLM2's shapes, compiled: 3
 prefetch, which the hardware prefetcher follows at the memory's speed (Qwen2.5-1.5B's shapes: 15.1-15.9 GB/s, MKL's
 15.3, Inductor's 13.7).
 
-Every output element is one chain of fused multiply-adds over ``k`` in order from zero, as in Inductor's
+Every fp32 output element is one chain of fused multiply-adds over ``k`` in order from zero, as in Inductor's
 ``CppMicroGemmFP32Vec`` (PyTorch, ``torch/_inductor/codegen/cpp_micro_gemm.py``: up to 4 rows x 48 columns of
 accumulators), whatever the number of rows: a token verified in a chunk gets the bits the 1-token graph gives it
-decoded alone. Both graphs then multiply with the same packed copy of the weights, the only one the process holds
-besides the model's own (Inductor's GEMM templates would keep one per graph). The compiled step still checks the
+decoded alone. Both graphs then multiply with the same packed copy of the weights, the only one the process holds:
+the runner hands the packed copies to the model (:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed`:
+its prefill and transformers' forward multiply with them too, fp32 32-512 rows within 5% of ``F.linear``; a tied
+input embedding reads the head's rows, :class:`PackedEmbedding`) and releases its own (Inductor's GEMM templates kept
+one per graph beside the model's: a 1.5B target held its weights three times). The compiled step still checks the
 two graphs against each other on the machine that runs them
 (:meth:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep.compile_chunk`).
 
+bf16 (with AVX512-BF16) keeps each block's pairs of ``k`` side by side per column, the operand of ``vdpbf16ps``
+(16 fp32 sums of two products each), rounded to bf16 once at the end as oneDNN's GEMMs do; the same blockings. 30
+layers of SmolLM2's bf16 shapes and its head, 1 thread: 23 ms for one row (11.6 GB/s; ``F.linear`` 52 ms, a plain
+``sum`` over the same bytes 27 ms), 28 ms for four. Both bf16 graphs share its copy; the model keeps its own weights
+for the prefill, where oneDNN's AMX kernels ran 128-512 rows 4-7x faster than this one.
+
 It is a PyTorch operator (``torch.ops.optimum_ipex_spec.packed_mm``, with a fake implementation for tracing), built
 from the C++ below with ``torch.utils.cpp_extension.load_inline`` at the first use (20-40 s; cached in
-``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). It needs AVX-512 and a C++ compiler with
-ninja, as Inductor does; where either is missing :func:`packed_gemm_available` says so (logged once) and the graphs
-keep Inductor's GEMMs.
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``). It needs AVX-512 (and AVX512-BF16 for bf16) and a
+C++ compiler with ninja, as Inductor does; where either is missing :func:`packed_gemm_available` says so (logged
+once) and the graphs keep Inductor's GEMMs.
 """
 
 from __future__ import annotations
@@ -109,12 +118,109 @@ void one_row_two_blocks(const float* A, const float* B0, const float* B1, float*
   }
 }
 
+// bf16: a block holds, per pair of k, the 48 columns' two weights side by side ([K / 2, 48, 2]), which one
+// vdpbf16ps multiplies by the pair of x broadcast (AVX512-BF16): 16 fp32 sums of two products each, rounded to bf16
+// once at the end (as oneDNN's bf16 GEMMs do)
+constexpr int64_t kPairRow = 2 * kBlockN;
+constexpr int64_t kPrefetchPairs = 16;
+#define OIS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+OIS_BF16_TARGET inline void store_bf16(at::BFloat16* C, __m512 acc, int64_t left) {
+  if (left <= 0) return;
+  const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  const __m256bh rounded = _mm512_cvtneps_pbh(acc);
+  _mm256_mask_storeu_epi16(reinterpret_cast<void*>(C), mask, reinterpret_cast<const __m256i&>(rounded));
+}
+
+// C[0:M, columns of NB blocks] = A[0:M, :] @ NB packed bf16 blocks (block_stride apart); the last block's columns
+// ncols_last. One row reads two blocks at once without a software prefetch (as the fp32 kernel), 2-4 rows one
+// block with it
+template <int M, int NB, bool kPrefetch>
+OIS_BF16_TARGET void rows_blocks_bf16(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t block_stride,
+                                      at::BFloat16* C, int64_t ldc, int64_t K2, int64_t ncols_last) {
+  __m512 acc[M][NB][3];
+  for (int m = 0; m < M; m++)
+    for (int j = 0; j < NB; j++)
+      for (int c = 0; c < 3; c++) acc[m][j][c] = _mm512_setzero_ps();
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(A);  // x's k pairs as one 32-bit word each
+  for (int64_t kk = 0; kk < K2; kk++) {
+    __m512bh b[NB][3];
+    for (int j = 0; j < NB; j++) {
+      const at::BFloat16* bp = B + j * block_stride + kk * kPairRow;
+      if (kPrefetch) {
+        const char* ahead = reinterpret_cast<const char*>(bp + kPrefetchPairs * kPairRow);
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        _mm_prefetch(ahead + 128, _MM_HINT_T0);
+      }
+      for (int c = 0; c < 3; c++) b[j][c] = (__m512bh)_mm512_loadu_si512(bp + c * 32);
+    }
+    for (int m = 0; m < M; m++) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pairs[m * (lda / 2) + kk]);
+      for (int j = 0; j < NB; j++)
+        for (int c = 0; c < 3; c++) acc[m][j][c] = _mm512_dpbf16_ps(acc[m][j][c], a, b[j][c]);
+    }
+  }
+  for (int m = 0; m < M; m++)
+    for (int j = 0; j < NB; j++) {
+      const int64_t ncols = j == NB - 1 ? ncols_last : kBlockN;
+      for (int c = 0; c < 3; c++) store_bf16(C + m * ldc + j * kBlockN + c * 16, acc[m][j][c], ncols - c * 16);
+    }
+}
+
+at::Tensor packed_mm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPairRow && packed.is_contiguous(),
+              "packed_mm takes a weight packed by optimum_ipex_spec.packed_gemm.pack_weight");
+  TORCH_CHECK((x.size(-1) + 1) / 2 == packed.size(1), "packed_mm: x has ", x.size(-1),
+              " features, the weight ", 2 * packed.size(1) - 1, " or ", 2 * packed.size(1));
+  TORCH_CHECK(n > (packed.size(0) - 1) * kBlockN && n <= packed.size(0) * kBlockN,
+              "packed_mm: ", n, " output features do not match the packed weight's ", packed.size(0), " blocks");
+  at::Tensor a = x.reshape({-1, x.size(-1)}).contiguous();
+  if (a.size(1) % 2) a = at::constant_pad_nd(a, {0, 1});  // an odd k: its pair's second weight is a zero
+  const int64_t M = a.size(0), K = a.size(1), blocks = packed.size(0), K2 = packed.size(1);
+  const int64_t stride = K2 * kPairRow;
+  at::Tensor out = at::empty({M, n}, a.options());
+  const at::BFloat16* A = a.data_ptr<at::BFloat16>();
+  const at::BFloat16* B = packed.data_ptr<at::BFloat16>();
+  at::BFloat16* C = out.data_ptr<at::BFloat16>();
+  auto columns = [&](int64_t block) { return std::min<int64_t>(kBlockN, n - block * kBlockN); };
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    if (M == 1) {
+      int64_t block = begin;
+      for (; block + 1 < end; block += 2)
+        rows_blocks_bf16<1, 2, false>(A, K, B + block * stride, stride, C + block * kBlockN, n, K2, columns(block + 1));
+      if (block < end)
+        rows_blocks_bf16<1, 1, false>(A, K, B + block * stride, stride, C + block * kBlockN, n, K2, columns(block));
+      return;
+    }
+    for (int64_t block = begin; block < end; block++)
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const at::BFloat16* Am = A + m0 * K;
+        const at::BFloat16* Bb = B + block * stride;
+        at::BFloat16* Cm = C + m0 * n + block * kBlockN;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 4: rows_blocks_bf16<4, 1, true>(Am, K, Bb, stride, Cm, n, K2, columns(block)); break;
+          case 3: rows_blocks_bf16<3, 1, true>(Am, K, Bb, stride, Cm, n, K2, columns(block)); break;
+          case 2: rows_blocks_bf16<2, 1, true>(Am, K, Bb, stride, Cm, n, K2, columns(block)); break;
+          default: rows_blocks_bf16<1, 1, true>(Am, K, Bb, stride, Cm, n, K2, columns(block));
+        }
+      }
+  });
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return out.view(shape);
+}
+
 at::Tensor packed_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
-              "packed_mm multiplies float32 tensors, got ", x.scalar_type(), " and ", packed.scalar_type());
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "packed_mm multiplies float32 or bfloat16 tensors of one dtype, got ", x.scalar_type(), " and ",
+              packed.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, "packed_mm: x needs a last dimension of features, got a 0-D tensor");
+  if (x.scalar_type() == at::kBFloat16) return packed_mm_bf16(x, packed, n);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlockN && packed.is_contiguous(),
               "packed_mm takes a weight packed by optimum_ipex_spec.packed_gemm.pack_weight");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == packed.size(1), "packed_mm: x has ", x.size(-1),
+  TORCH_CHECK(x.size(-1) == packed.size(1), "packed_mm: x has ", x.size(-1),
               " features, the weight ", packed.size(1));
   TORCH_CHECK(n > (packed.size(0) - 1) * kBlockN && n <= packed.size(0) * kBlockN,
               "packed_mm: ", n, " output features do not match the packed weight's ", packed.size(0), " blocks");
@@ -163,31 +269,51 @@ TORCH_LIBRARY_IMPL(optimum_ipex_spec, CPU, m) { m.impl("packed_mm", &packed_mm);
 
 
 @functools.lru_cache(maxsize=None)
-def packed_gemm_available() -> bool:
-    """True when ``torch.ops.optimum_ipex_spec.packed_mm`` runs here: an AVX-512 CPU, and the operator built (once
-    per process; the build is cached on disk). False, logged once, where it cannot be."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        logger.info("The packed fp32 kernel needs AVX-512 (this CPU: %s): the compiled fp32 graphs keep Inductor's "
-                    "GEMMs.", capability)
-        return False
-    logger.info("Loading the packed fp32 kernel (built once per machine and torch, about 20-40 s; cached in "
+def _kernel_built() -> bool:
+    """Build and load the operator (once per process; the build is cached on disk); False, logged, where it cannot be
+    (needs AVX-512: checked by the caller)."""
+    logger.info("Loading the packed kernel (built once per machine and torch, about 20-40 s; cached in "
                 "TORCH_EXTENSIONS_DIR)...")
     try:
         from torch.utils.cpp_extension import load_inline
 
         # the torch version in the name: two torch versions sharing one TORCH_EXTENSIONS_DIR keep a build each
-        name = "optimum_ipex_spec_packed_gemm_torch" + re.sub(r"\W", "_", torch.__version__)
+        name = "optimum_ipex_spec_packed_gemm_v2_torch" + re.sub(r"\W", "_", torch.__version__)
         load_inline(name, cpp_sources=[_SOURCE], is_python_module=False,
                     extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
         torch.library.register_fake("optimum_ipex_spec::packed_mm")(_packed_mm_shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
         text = str(exc).strip().splitlines()
-        logger.warning("Could not build the packed fp32 kernel (%s: %s); the compiled fp32 graphs keep Inductor's "
-                       "GEMMs, which read 4 rows about 1.6x slower than 1 on some CPUs.",
-                       type(exc).__name__, text[0] if text else "")
+        logger.warning("Could not build the packed kernel (%s: %s); the compiled fp32 and bf16 graphs keep "
+                       "Inductor's GEMMs, which read 4 rows about 1.6x slower than 1 on some CPUs and hold a copy "
+                       "of the weights per graph.", type(exc).__name__, text[0] if text else "")
         return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def packed_gemm_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when ``torch.ops.optimum_ipex_spec.packed_mm`` runs here for ``dtype`` (torch.float32: an AVX-512 CPU;
+    torch.bfloat16: one with AVX512-BF16 too) and the operator is built (once per process; the build is cached on
+    disk). False, logged once, where it cannot be, and for any other dtype."""
+    what = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
+    if what is None:
+        return False
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        logger.info("The packed %s kernel needs AVX-512 (this CPU: %s): the compiled %s graphs keep Inductor's "
+                    "GEMMs.", what, capability, what)
+        return False
+    if dtype == torch.bfloat16 and not _avx512_bf16():
+        logger.info("The packed bf16 kernel needs AVX512-BF16 (vdpbf16ps), which this CPU lacks: the compiled bf16 "
+                    "graphs keep Inductor's GEMMs.")
+        return False
+    return _kernel_built()
+
+
+def _avx512_bf16() -> bool:
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check and check())
 
 
 def _packed_mm_shape(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -195,43 +321,136 @@ def _packed_mm_shape(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Ten
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` fp32 -> ``[ceil(out / 48), in, 48]`` fp32 (a copy: blocks of :data:`BLOCK_N` output
-    columns, each read row by row of ``k``; the last block padded with zero columns).
+    """A copy of ``weight [out, in]`` in blocks of :data:`BLOCK_N` output columns (the last block padded with zero
+    columns), each block read along ``k``:
+
+    - fp32: ``[ceil(out / 48), in, 48]`` fp32;
+    - bf16: ``[ceil(out / 48), ceil(in / 2), 96]`` bf16, per pair of ``k`` each column's two weights side by side
+      (an odd ``in`` padded with a zero weight), the operand layout of AVX512-BF16's ``vdpbf16ps``.
 
     Raises:
-        ValueError: not a 2-D fp32 tensor.
+        ValueError: not a 2-D fp32 or bf16 tensor.
     """
-    if weight.dim() != 2 or weight.dtype != torch.float32:
-        raise ValueError(f"pack_weight takes a 2-D float32 weight [out, in], got {weight.dtype} "
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pack_weight takes a 2-D float32 or bfloat16 weight [out, in], got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     out_features, in_features = weight.shape
     weight = weight.detach()
     full, rest = divmod(out_features, BLOCK_N)
-    # written in place: no temporary copy of the weight (a 1.5B model's head is 0.93 GB)
-    packed = weight.new_empty(full + (rest > 0), in_features, BLOCK_N)
-    packed[:full] = weight[:full * BLOCK_N].view(full, BLOCK_N, in_features).transpose(1, 2)
-    if rest:
-        packed[full].zero_()
-        packed[full, :, :rest] = weight[full * BLOCK_N:].t()
-    return packed
+    if weight.dtype == torch.float32:
+        # written in place: no temporary copy of the weight (a 1.5B model's head is 0.93 GB)
+        packed = weight.new_empty(full + (rest > 0), in_features, BLOCK_N)
+        packed[:full] = weight[:full * BLOCK_N].view(full, BLOCK_N, in_features).transpose(1, 2)
+        if rest:
+            packed[full].zero_()
+            packed[full, :, :rest] = weight[full * BLOCK_N:].t()
+        return packed
+    pairs = (in_features + 1) // 2
+    packed = weight.new_zeros(full + (rest > 0), pairs, BLOCK_N, 2)
+    even = in_features - in_features % 2
+    for start in range(0, out_features, BLOCK_N):  # block by block: no temporary copy of the whole weight
+        block = weight[start:start + BLOCK_N]  # [columns, in]
+        columns = block.shape[0]
+        target = packed[start // BLOCK_N]
+        target[:even // 2, :columns] = block[:, :even].reshape(columns, even // 2, 2).transpose(0, 1)
+        if even < in_features:
+            target[pairs - 1, :columns, 0] = block[:, even]
+    return packed.view(packed.shape[0], pairs, 2 * BLOCK_N)
+
+
+def unpack_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The inverse of :func:`pack_weight`: ``[out_features, in_features]`` (a new tensor)."""
+    blocks = packed.shape[0]
+    if packed.dtype == torch.float32:
+        columns = packed.transpose(1, 2).reshape(blocks * BLOCK_N, packed.shape[1])
+    else:  # [blocks, pairs, 96] -> [blocks, 48, pairs * 2]
+        pairs = packed.shape[1]
+        columns = packed.view(blocks, pairs, BLOCK_N, 2).permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, 2 * pairs)
+    return columns[:out_features, :in_features].contiguous()
 
 
 class PackedLinear(torch.nn.Module):
     """``x @ W.T + b`` through ``torch.ops.optimum_ipex_spec.packed_mm`` on a packed copy of ``W`` (a buffer, which
-    Inductor's freezing keeps as a constant of the graph): ``x [..., in]`` fp32 -> ``[..., out]`` fp32. Build it only
-    where :func:`packed_gemm_available` is True.
+    Inductor's freezing keeps as a constant of the graph): ``x [..., in]`` -> ``[..., out]``, fp32 or bf16 (the
+    weight's dtype). Build it only where :func:`packed_gemm_available` is True for that dtype.
 
     Args:
-        weight: ``[out, in]`` fp32 (copied into the packed layout; the original is not kept).
-        bias: ``[out]`` fp32 or None, added after the product (as Inductor's epilogue adds it).
+        weight: ``[out, in]`` fp32 or bf16 (copied into the packed layout; the original is not kept).
+        bias: ``[out]`` of the weight's dtype or None, added after the product (as Inductor's epilogue adds it).
     """
 
     def __init__(self, weight: torch.Tensor, bias=None):
         super().__init__()
         self.register_buffer("packed", pack_weight(weight))
         self.register_buffer("bias", None if bias is None else bias.detach())
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+
+    @classmethod
+    def of(cls, linear: torch.nn.Module) -> "PackedLinear":
+        """The packed form of an ``nn.Linear`` (a new copy), or ``linear`` itself when it is one already (a model
+        that holds its weights packed: no second copy)."""
+        return linear if isinstance(linear, cls) else cls(linear.weight, linear.bias)
+
+    def unpacked_weight(self) -> torch.Tensor:
+        """The weight ``[out, in]`` as ``nn.Linear`` holds it (a new tensor, e.g. for a checkpoint)."""
+        return unpack_weight(self.packed, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.optimum_ipex_spec.packed_mm(x, self.packed, self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+class PackedEmbedding(torch.nn.Module):
+    """The input embedding of a model whose LM head is tied to it, read from the head's packed copy (the same tensor:
+    no weight of its own): ``ids`` int64 ``[...]`` -> ``[..., hidden]`` in the head's dtype, the rows an
+    ``nn.Embedding`` of the head's weight gives, bit for bit (one strided gather of ``hidden`` values per token).
+
+    Args:
+        head: the :class:`PackedLinear` of the tied head (``[vocab, hidden]``, no bias).
+    """
+
+    def __init__(self, head: PackedLinear):
+        super().__init__()
+        self.register_buffer("packed", head.packed)
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.optimum_ipex_spec_py.packed_rows(self.packed, ids, self.embedding_dim)
+
+
+# An operator of its own, opaque to Inductor: traced as plain indexing, the gather let freezing fold a copy of the
+# head beside the packed one (+0.4 GiB of RSS for SmolLM2) and the 4-token graph's logits differed from the
+# 1-token graph's in their last bits (measured, torch 2.13)
+@torch.library.custom_op("optimum_ipex_spec_py::packed_rows", mutates_args=())
+def _packed_rows(packed: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+    block, column = ids // BLOCK_N, ids % BLOCK_N
+    if packed.dtype == torch.float32:  # [blocks, hidden, 48]
+        return packed[block, :, column]
+    blocks, pairs, _ = packed.shape  # bf16: [blocks, pairs, 48, 2]
+    rows = packed.view(blocks, pairs, BLOCK_N, 2)[block, :, column]
+    return rows.reshape(*ids.shape, 2 * pairs)[..., :width].contiguous()
+
+
+@_packed_rows.register_fake
+def _packed_rows_shape(packed: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+    return packed.new_empty((*ids.shape, width))
+
+
+def unpacked_state_dict(module: torch.nn.Module) -> dict:
+    """``module.state_dict()`` with each :class:`PackedLinear`'s and :class:`PackedEmbedding`'s packed copy as the
+    ``weight`` an ``nn.Linear`` / ``nn.Embedding`` there would hold (new tensors, one per packed copy, so a tied head
+    and its embedding stay one tensor: the weights once more in memory while the dict lives), so a model whose
+    projections were replaced by packed ones saves a plain checkpoint."""
+    state = module.state_dict()
+    unpacked = {}
+    for name, child in module.named_modules(remove_duplicate=False):
+        if isinstance(child, (PackedLinear, PackedEmbedding)):
+            prefix = f"{name}." if name else ""
+            packed = state.pop(prefix + "packed")
+            shape = ((child.out_features, child.in_features) if isinstance(child, PackedLinear)
+                     else (child.num_embeddings, child.embedding_dim))
+            key = (packed.data_ptr(), shape)
+            if key not in unpacked:
+                unpacked[key] = unpack_weight(packed, *shape)
+            state[prefix + "weight"] = unpacked[key]
+    return state

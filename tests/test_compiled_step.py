@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec import compiled_step
+from optimum_ipex_spec.packed_gemm import PackedEmbedding, packed_gemm_available
 
 from conftest import build_tiny
 
@@ -84,6 +85,32 @@ def test_compiled_step_tracks_the_eager_decoder_and_crops_exactly(build, dense_b
     compiled(prompt, past_key_values=other)
     compiled(prompt[:, -1:], past_key_values=other)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_compiled_bf16_graphs_share_one_packed_copy_and_verify_as_they_decode(dense_bf16_compile):
+    """bf16 compiled: both graphs multiply with the packed bf16 kernel where the CPU has AVX512-BF16 (one packed copy
+    of the weights for both, where Inductor's GEMM templates held one per graph), and a chunk of 4 verified on the
+    4-token graph gives the logits its tokens decode to one at a time (to bf16 rounding: attention reads other
+    lengths)."""
+    model = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
+                                                         backend="torch", torch_compile=True)
+    step = model.runner.step
+    packed_here = _avx512() and torch.cpu._is_avx512_bf16_supported()
+    assert step.kernel == ("packed" if packed_here else "inductor")
+    assert (step.module.packed is not None) == packed_here
+    packed = step.module.packed
+    assert model.compile_chunk_step() and step.module.packed is packed and not step.failed
+    if packed_here:
+        assert packed[0][0].packed.dtype == torch.bfloat16
+    torch.manual_seed(0)
+    prompt, more = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 4))
+    caches = [model.runner.new_cache(1, 20) for _ in range(2)]
+    for cache in caches:
+        model(prompt, past_key_values=cache)
+    steps = torch.cat([model(more[:, i:i + 1], past_key_values=caches[0]).logits for i in range(4)], 1).float()
+    chunk = model(more, past_key_values=caches[1]).logits.float()
+    assert chunk.shape == steps.shape == (1, 4, 512)
+    assert (chunk - steps).abs().max() <= 0.02 * steps.abs().max()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -373,6 +400,44 @@ def test_torch_compile_round_trips_a_saved_torch_export(tmp_path, dense_bf16_com
     got = loaded(ids[:, :-1], past_key_values=cache)
     got = loaded(ids[:, -1:], past_key_values=cache).logits[:, -1].float()  # the compiled step
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied-head", "tied-head"])
+def test_a_compiled_fp32_model_holds_its_weights_once_and_still_runs_and_saves(tmp_path, tied):
+    """fp32 on the packed kernel: the model's projections and head are the graphs' packed copies (a tied embedding
+    reads the head's), no ``nn.Linear`` weight is left; the prefill, transformers' own forward (hidden states) and
+    save_pretrained work on them: stock's greedy tokens, its hidden states to fp32 rounding, its checkpoint bit for
+    bit."""
+    if not (_avx512() and packed_gemm_available()):
+        pytest.skip("the packed fp32 kernel is built for AVX-512 CPUs only")
+    reference = build_tiny("llama", vocab_size=512)
+    if tied:
+        reference.config.tie_word_embeddings = True
+        reference.lm_head.weight = reference.model.embed_tokens.weight
+    source = _save(reference, tmp_path / "ckpt")
+    model = IPEXModelForCausalLM.from_pretrained(source, export=True, backend="torch", torch_dtype=torch.float32,
+                                                 torch_compile=True)
+    step = model.runner.step
+    if step.step_rows != 1:
+        pytest.skip("before torch 2.13 single fp32 tokens run padded on the chunk graph, on Inductor's GEMMs")
+    assert model.runner.decoder.packed and step.kernel == "packed"
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.model.modules())
+    assert isinstance(model.model.model.embed_tokens, PackedEmbedding) == tied
+    torch.manual_seed(0)
+    ids = torch.randint(3, 500, (1, 7))
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        want_hidden = reference(ids, output_hidden_states=True).hidden_states
+    assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False),
+                       want)
+    hidden = model(ids, output_hidden_states=True).hidden_states  # transformers' forward, on the packed modules
+    assert len(hidden) == len(want_hidden) and torch.equal(hidden[0], want_hidden[0])
+    for got, expected in zip(hidden, want_hidden):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path / "export")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "export", torch_dtype=torch.float32).state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(saved[name], tensor), name
 
 
 def test_two_compiled_models_of_one_shape_keep_their_own_weights(dense_bf16_compile):

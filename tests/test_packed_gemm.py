@@ -1,6 +1,6 @@
-"""optimum_ipex_spec.packed_gemm: the packed fp32 kernel of the compiled fp32 graphs. Its products against F.linear, every row of a
-chunk the same bits as that row alone (and as Inductor's compiled one-row GEMM), the packed layout, bad input, and
-the fallback where it cannot run."""
+"""optimum_ipex_spec.packed_gemm: the packed kernel of the compiled fp32 and bf16 graphs. Its products against F.linear
+(bf16: against the fp32 product of the bf16 operands), every row of a chunk the same bits as that row alone (and, in
+fp32, as Inductor's compiled one-row GEMM), the packed layouts, bad input, and the fallback where it cannot run."""
 
 import logging
 
@@ -11,7 +11,14 @@ import torch.utils.cpp_extension
 
 from optimum_ipex_spec import compiled_step, packed_gemm
 from optimum_ipex_spec.compiled_step import CPP_ONLY_FROM_TORCH, _torch_at_least
-from optimum_ipex_spec.packed_gemm import BLOCK_N, PackedLinear, pack_weight, packed_gemm_available
+from optimum_ipex_spec.packed_gemm import (
+    BLOCK_N,
+    PackedEmbedding,
+    PackedLinear,
+    pack_weight,
+    packed_gemm_available,
+    unpacked_state_dict,
+)
 
 from conftest import build_tiny
 
@@ -22,6 +29,42 @@ def kernel():
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("the packed fp32 kernel is built for AVX-512 CPUs only")
     assert packed_gemm_available()
+
+
+@pytest.fixture
+def bf16_kernel(kernel):
+    """The bf16 kernel needs AVX512-BF16 too (this project's Xeon has it; an AVX-512 CPU without it skips)."""
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("the packed bf16 kernel needs AVX512-BF16")
+    assert packed_gemm_available(torch.bfloat16)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(32, 16), (48, 64), (100, 33), (1536, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_products_are_the_rounded_fp32_sums_each_row_as_alone(bf16_kernel, out_features, in_features, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear.weight, linear.bias)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(1, rows, in_features, dtype=torch.bfloat16)
+        got = packed(x)
+        assert got.shape == (1, rows, out_features) and got.dtype == torch.bfloat16
+        # the fp32 sum of the bf16 products, rounded to bf16 (then the bias added in bf16): within a bf16 ulp or two
+        want = x.float() @ linear.weight.float().t()
+        want = want.to(torch.bfloat16) + linear.bias if bias else want
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+        alone = torch.cat([packed(x[:, i:i + 1]) for i in range(rows)], dim=1)
+        assert torch.equal(got, alone), f"{rows} rows"
+
+
+def test_the_bf16_layout_is_pairs_of_k_side_by_side_per_column():
+    weight = torch.arange(50 * 5, dtype=torch.float32).view(50, 5).to(torch.bfloat16)
+    packed = pack_weight(weight)
+    assert packed.shape == (2, 3, 2 * BLOCK_N) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    pairs = packed.view(2, 3, BLOCK_N, 2)
+    assert torch.equal(pairs[0, 1, 7], weight[7, 2:4])  # block 0, pair 1 (k = 2, 3), column 7
+    assert torch.equal(pairs[1, 2, 1], torch.stack([weight[49, 4], weight.new_zeros(())]))  # the odd k: a zero pair
+    assert not pairs[1, :, 2:].any()  # columns 50-95: padding
 
 
 @pytest.mark.parametrize("out_features, in_features", [(32, 16), (48, 64), (100, 64), (1536, 576)])
@@ -68,16 +111,45 @@ def test_the_packed_layout_is_blocks_of_48_columns_padded_with_zeros():
     assert not packed[2, :, 4:].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features, in_features", [(100, 33), (96, 64), (5, 2)])
+def test_unpacking_gives_the_weight_back_and_the_embedding_reads_the_heads_rows(dtype, out_features, in_features):
+    """A model that holds its weights once saves them unpacked, and a tied embedding reads its rows from the head's
+    packed copy: both the original values bit for bit."""
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features).to(dtype)
+    head = PackedLinear(weight)
+    assert torch.equal(head.unpacked_weight(), weight)
+    embedding = PackedEmbedding(head)
+    assert embedding.packed is head.packed  # no copy of its own
+    ids = torch.tensor([[0, out_features - 1, 47 % out_features], [1, 3 % out_features, 0]])
+    rows = embedding(ids)
+    assert rows.shape == (2, 3, in_features) and rows.dtype == dtype
+    assert torch.equal(rows, F.embedding(ids, weight))
+    state = unpacked_state_dict(torch.nn.ModuleDict({"head": head, "embed": embedding}))
+    assert set(state) == {"head.weight", "embed.weight"} and state["head.weight"] is state["embed.weight"]
+    assert torch.equal(state["head.weight"], weight)
+
+
 def test_bad_input_is_refused_with_what_to_fix(kernel):
-    with pytest.raises(ValueError, match="2-D float32 weight"):
-        pack_weight(torch.ones(96, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D float32 or bfloat16 weight"):
+        pack_weight(torch.ones(96, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="2-D float32 or bfloat16 weight"):
+        pack_weight(torch.ones(96))
     packed = pack_weight(torch.ones(96, 8))
     with pytest.raises(RuntimeError, match="x has 7 features, the weight 8"):
         torch.ops.optimum_ipex_spec.packed_mm(torch.ones(2, 7), packed, 96)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 tensors of one dtype"):
         torch.ops.optimum_ipex_spec.packed_mm(torch.ones(2, 8, dtype=torch.bfloat16), packed, 96)
     with pytest.raises(RuntimeError, match="output features do not match"):
         torch.ops.optimum_ipex_spec.packed_mm(torch.ones(2, 8), packed, 40)
+    with pytest.raises(RuntimeError, match="0-D tensor"):
+        torch.ops.optimum_ipex_spec.packed_mm(torch.ones(()), packed, 96)
+    bf16 = pack_weight(torch.ones(96, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="pack_weight"):  # an fp32 layout read as bf16's
+        torch.ops.optimum_ipex_spec.packed_mm(torch.ones(2, 8, dtype=torch.bfloat16), packed.to(torch.bfloat16), 96)
+    with pytest.raises(RuntimeError, match="x has 10 features, the weight 7 or 8"):
+        torch.ops.optimum_ipex_spec.packed_mm(torch.ones(2, 10, dtype=torch.bfloat16), bf16, 96)
 
 
 def test_without_avx512_it_says_so_and_is_not_used(monkeypatch, caplog):
@@ -85,6 +157,15 @@ def test_without_avx512_it_says_so_and_is_not_used(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="optimum_ipex_spec"):
         assert packed_gemm.packed_gemm_available.__wrapped__() is False
     assert "needs AVX-512 (this CPU: AVX2)" in caplog.text
+
+
+def test_without_avx512_bf16_the_bf16_kernel_says_so_and_is_not_used(monkeypatch, caplog):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    with caplog.at_level(logging.INFO, logger="optimum_ipex_spec"):
+        assert packed_gemm.packed_gemm_available.__wrapped__(torch.bfloat16) is False
+    assert "needs AVX512-BF16" in caplog.text
+    assert packed_gemm.packed_gemm_available.__wrapped__(torch.float16) is False  # no kernel for other dtypes
 
 
 def test_a_failed_build_is_logged_and_the_chunk_graph_keeps_inductors_gemms(monkeypatch, caplog):
@@ -99,9 +180,9 @@ def test_a_failed_build_is_logged_and_the_chunk_graph_keeps_inductors_gemms(monk
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_build)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec"):
-        assert packed_gemm.packed_gemm_available.__wrapped__() is False
-    assert "Could not build the packed fp32 kernel (RuntimeError: Ninja is required" in caplog.text
-    monkeypatch.setattr(compiled_step, "packed_gemm_available", lambda: False)
+        assert packed_gemm._kernel_built.__wrapped__() is False
+    assert "Could not build the packed kernel (RuntimeError: Ninja is required" in caplog.text
+    monkeypatch.setattr(compiled_step, "packed_gemm_available", lambda dtype: False)
     from optimum_ipex_spec import IPEXModelForCausalLM
 
     model = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512), backend="torch",

@@ -7,6 +7,8 @@ requested) goes to transformers' forward (:class:`~optimum_ipex_spec.runners.eag
 
 from __future__ import annotations
 
+import torch
+
 from ..compat import cache_kwarg, prepare_cache_capacity
 from ..compiled_step import CHUNK_ROWS, CompiledDecodeStep
 from ..torch_cache import PreallocatedKVCache
@@ -33,7 +35,15 @@ class TorchDecoderRunner(Runner):
         self.step = CompiledDecodeStep(self.decoder) if torch_compile else None
 
     def warmup(self) -> None:
-        if self.step is not None and not self.step.compile():
+        if self.step is None:
+            return
+        if self.dtype == torch.float32 and self.step.pack():
+            # fp32: the prefill and transformers' forward multiply with the graphs' packed copies too (as fast as
+            # F.linear from 32 rows on), and the model's own weights go: each weight held once. Before the graphs
+            # are traced, as they read the embedding the decoder may replace. bf16 keeps its own for the prefill,
+            # where oneDNN's AMX kernels were 4-7x faster than the packed one at 128-512 rows
+            self.decoder.adopt_packed(self.step.module.packed, self.step.module.packed_head)
+        if not self.step.compile():
             self.step = None
 
     def compile_chunk_graph(self) -> bool:
@@ -72,8 +82,6 @@ class TorchDecoderRunner(Runner):
             what = "a transformers cache" if cache is not None and not isinstance(cache, PreallocatedKVCache) else (
                 ", ".join(whole_call_arguments(kwargs or {})))
             return self._eager(what).forward(input_ids, attention_mask, cache, position_ids, use_cache, kwargs)
-        import torch
-
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
             raise ValueError("input_ids must be a non-empty 2-D tensor [batch, sequence]")
         batch, q = input_ids.shape
