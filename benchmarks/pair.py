@@ -201,9 +201,10 @@ def render(result) -> str:
                 "here (the input embedding's table, of which a step reads one row, is counted, so the true bound is "
                 "somewhat higher). Only speculation, which reads the weights once for several tokens, can pass it.")
     lines += ["", "RSS after loading counts only the pages read so far: an fp32 target is the memory-mapped checkpoint, "
-              "read during generation (a compiled target also holds one packed copy of its weights: in fp32 on AVX-512 the "
-              "packed kernel's, shared by its two graphs; else Inductor's, whose compile packs them more than once: the peak "
-              "after the target's load). The peak (VmHWM) is the process's, stock transformers' target included "
+              "read during generation (a compiled fp32 target on AVX-512 holds its weights once, the packed kernel's copy, "
+              "shared by its two graphs and read by the prefill, which replaced the model's own, both side by side while "
+              "packing: the peak after the target's load; a compiled bf16 target holds the packed copy beside the "
+              "model's; without the packed kernel Inductor's graphs keep a copy each). The peak (VmHWM) is the process's, stock transformers' target included "
               "unless `--no-stock`; in the second section it includes the first's."]
     return "\n".join(lines) + "\n"
 
