@@ -232,13 +232,22 @@ class _DecodeStep(torch.nn.Module):
         self.packed: Optional[torch.nn.ModuleList] = None
         self.packed_head: Optional[PackedLinear] = None
 
-    def pack(self) -> None:
+    def pack(self, adopt=None) -> None:
         """Packed copies of the fp32 or bf16 projections and head (:class:`~optimum_ipex_spec.packed_gemm.PackedLinear`: one
-        more copy of the weights, as Inductor's own GEMMs would hold, shared by every graph traced after this)."""
-        self.packed = torch.nn.ModuleList(
-            torch.nn.ModuleList(PackedLinear.of(m) for m in layer_projections(layer)) for layer in self.inner.layers)
+        more copy of the weights, as Inductor's own GEMMs would hold, shared by every graph traced after this). With
+        ``adopt`` (a :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder`) each layer's copies replace the
+        model's own as soon as they are made (``adopt.adopt_packed_layer``, then ``adopt_packed_head``): the
+        weights are never all held twice."""
+        packed = []
+        for index, layer in enumerate(self.inner.layers):
+            packed.append(torch.nn.ModuleList(PackedLinear.of(m) for m in layer_projections(layer)))
+            if adopt is not None:
+                adopt.adopt_packed_layer(index, packed[-1])
+        self.packed = torch.nn.ModuleList(packed)
         self.packed_head = PackedLinear.of(self.lm_head)
         self.lm_head = self.packed_head  # not the model's head module, which a model holding its weights once drops
+        if adopt is not None:
+            adopt.adopt_packed_head(self.packed_head)
 
     def forward(self, input_ids, position_ids, write_at, key_pos, keys, values):
         # input_ids, position_ids: int64 [1, q]; write_at: int64 [q] (the cache rows of these tokens); key_pos: int64
@@ -388,13 +397,14 @@ class CompiledDecodeStep:
             torch._dynamo.mark_dynamic(buffer, 2)  # any capacity runs the same graph
         self._run([0] * rows, 0, cache, rows, scratch=True)
 
-    def pack(self) -> bool:
+    def pack(self, adopt=None) -> bool:
         """Pack the dense weights for :mod:`~optimum_ipex_spec.packed_gemm`'s kernel (once; fp32 or bf16 with single
         tokens on a graph of their own, where the kernel builds for the dtype): True when the graphs will multiply
-        with it (:attr:`kernel` ``"packed"``). :meth:`compile` does it first; call it ahead to hand the packed copies
-        to the model before the graphs are traced (the runner does in fp32)."""
+        with it (:attr:`kernel` ``"packed"``). :meth:`compile` does it first; call it ahead with ``adopt`` (the
+        model's :class:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder`) to hand the packed copies to the model,
+        layer by layer, before the graphs are traced (the runner does in fp32)."""
         if self.kernel != "packed" and self.dense and self.step_rows == 1 and packed_gemm_available(self.dtype):
-            self.module.pack()
+            self.module.pack(adopt)
             self.kernel = "packed"
         return self.kernel == "packed"
 

@@ -386,6 +386,10 @@ class PackedLinear(torch.nn.Module):
         # weights are released (Qwen2.5's q/k/v biases: 1.9 GB of a 0.5B model's fp32 file)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.out_features, self.in_features = weight.shape
+        #: the dtype the layout was packed for (a later ``.to(dtype)`` casts the buffer, not the layout)
+        self.packed_dtype = weight.dtype
+        # state_dict() (so a transformers model's save_pretrained) holds the plain ``weight [out, in]``
+        self.register_state_dict_post_hook(_weight_in_state_dict)
 
     @classmethod
     def of(cls, linear: torch.nn.Module) -> "PackedLinear":
@@ -398,6 +402,16 @@ class PackedLinear(torch.nn.Module):
         return unpack_weight(self.packed, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]``, the weight's dtype.
+
+        Raises:
+            ValueError: ``x`` has another number of features.
+            TypeError: the module was cast to another dtype after packing (``model.to(dtype)``).
+        """
+        _check_layout(self)
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"this packed linear layer takes {self.in_features} input features, got x of shape "
+                             f"{tuple(x.shape)}")
         out = torch.ops.optimum_ipex_spec.packed_mm(x, self.packed, self.out_features)
         return out if self.bias is None else out + self.bias
 
@@ -415,44 +429,71 @@ class PackedEmbedding(torch.nn.Module):
         super().__init__()
         self.register_buffer("packed", head.packed)
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.packed_dtype = head.packed_dtype
+        self.register_state_dict_post_hook(_weight_in_state_dict)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.ops.optimum_ipex_spec_py.packed_rows(self.packed, ids, self.embedding_dim)
+        """``ids`` int64 ``[...]`` -> ``[..., hidden]``.
+
+        Raises:
+            IndexError: an id outside ``0 .. num_embeddings - 1`` (as ``nn.Embedding``; the packed copy's padding
+                columns would otherwise read as zero rows).
+            TypeError: the module was cast to another dtype after packing.
+        """
+        _check_layout(self)
+        return torch.ops.optimum_ipex_spec_py.packed_rows(self.packed, ids, self.embedding_dim, self.num_embeddings)
 
 
 # An operator of its own, opaque to Inductor: traced as plain indexing, the gather let freezing fold a copy of the
 # head beside the packed one (+0.4 GiB of RSS for SmolLM2) and the 4-token graph's logits differed from the
 # 1-token graph's in their last bits (measured, torch 2.13)
 @torch.library.custom_op("optimum_ipex_spec_py::packed_rows", mutates_args=())
-def _packed_rows(packed: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
-    block, column = ids // BLOCK_N, ids % BLOCK_N
+def _packed_rows(packed: torch.Tensor, ids: torch.Tensor, width: int, rows: int) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
+        bad = int(flat.min()) if int(flat.min()) < 0 else int(flat.max())
+        raise IndexError(f"token id {bad} is out of range for an embedding of {rows} rows (0..{rows - 1}): a "
+                         "tokenizer with tokens the model's vocabulary does not have?")
+    block, column = flat // BLOCK_N, flat % BLOCK_N  # 1-D indices: the rows come out as a new tensor
     if packed.dtype == torch.float32:  # [blocks, hidden, 48]
-        return packed[block, :, column]
-    blocks, pairs, _ = packed.shape  # bf16: [blocks, pairs, 48, 2]
-    rows = packed.view(blocks, pairs, BLOCK_N, 2)[block, :, column]
-    return rows.reshape(*ids.shape, 2 * pairs)[..., :width].contiguous()
+        out = packed[block, :, column]
+    else:  # bf16: [blocks, pairs, 48, 2]
+        blocks, pairs, _ = packed.shape
+        out = packed.view(blocks, pairs, BLOCK_N, 2)[block, :, column].reshape(-1, 2 * pairs)[:, :width]
+    return out.reshape(*ids.shape, width).contiguous()
 
 
 @_packed_rows.register_fake
-def _packed_rows_shape(packed: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+def _packed_rows_shape(packed: torch.Tensor, ids: torch.Tensor, width: int, rows: int) -> torch.Tensor:
     return packed.new_empty((*ids.shape, width))
 
 
+def _check_layout(module: torch.nn.Module) -> None:
+    if module.packed.dtype != module.packed_dtype:
+        raise TypeError(f"this {type(module).__name__} was packed for {module.packed_dtype} and then cast to "
+                        f"{module.packed.dtype} (model.to(dtype) after torch_compile=True packed its weights): load the "
+                        "model again in the dtype you want instead")
+
+
+def _weight_in_state_dict(module: torch.nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    """A state-dict post-hook: the packed copy as the ``weight`` an ``nn.Linear`` / ``nn.Embedding`` holds."""
+    packed = state.pop(prefix + "packed", None)
+    if packed is not None:
+        rows = getattr(module, "out_features", None) or module.num_embeddings
+        columns = getattr(module, "in_features", None) or module.embedding_dim
+        state[prefix + "weight"] = unpack_weight(packed, rows, columns)
+
+
 def unpacked_state_dict(module: torch.nn.Module) -> dict:
-    """``module.state_dict()`` with each :class:`PackedLinear`'s and :class:`PackedEmbedding`'s packed copy as the
-    ``weight`` an ``nn.Linear`` / ``nn.Embedding`` there would hold (new tensors, one per packed copy, so a tied head
-    and its embedding stay one tensor: the weights once more in memory while the dict lives), so a model whose
-    projections were replaced by packed ones saves a plain checkpoint."""
+    """``module.state_dict()``, in which each :class:`PackedLinear`'s and :class:`PackedEmbedding`'s packed copy is
+    the ``weight`` an ``nn.Linear`` / ``nn.Embedding`` there would hold (their state-dict hook unpacks it: new
+    tensors, the weights once more in memory while the dict lives), with one tensor per packed copy (a tied head and
+    its embedding stay one tensor, as a checkpoint of a tied model holds them)."""
     state = module.state_dict()
-    unpacked = {}
+    first = {}
     for name, child in module.named_modules(remove_duplicate=False):
         if isinstance(child, (PackedLinear, PackedEmbedding)):
-            prefix = f"{name}." if name else ""
-            packed = state.pop(prefix + "packed")
-            shape = ((child.out_features, child.in_features) if isinstance(child, PackedLinear)
-                     else (child.num_embeddings, child.embedding_dim))
-            key = (packed.data_ptr(), shape)
-            if key not in unpacked:
-                unpacked[key] = unpack_weight(packed, *shape)
-            state[prefix + "weight"] = unpacked[key]
+            key = f"{name}.weight" if name else "weight"
+            source = (child.packed.data_ptr(), state[key].shape)
+            state[key] = first.setdefault(source, state[key])
     return state

@@ -179,18 +179,47 @@ class TorchCausalLMDecoder(torch.nn.Module):
         This decoder (the prefill), the compiled graphs and transformers' forward (which calls the modules) then all
         multiply with the packed copies; ``save_pretrained`` unpacks them. Measured (1 thread, SmolLM2's shapes), the
         packed kernel multiplies 32-512 rows within 5% of ``F.linear``'s time in fp32, so a prefill costs what it did.
+        :meth:`adopt_packed_layer` and :meth:`adopt_packed_head` do the same a layer at a time, as the weights are
+        packed (the compiled step does), so that the peak holds one layer twice, not the model.
 
         Raises:
             ValueError: int8 weights, or ``layers`` not one entry of seven modules per decoder layer.
         """
-        decoder_layers = self.model.model.layers
-        if self.weights != "dense" or len(layers) != len(decoder_layers) or any(len(p) != 7 for p in layers):
+        if len(layers) != len(self.model.model.layers):
             raise ValueError("adopt_packed takes a dense model's packed projections: seven per decoder layer")
-        for layer, (q, k, v, o, gate, up, down) in zip(decoder_layers, layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj = q, k, v, o
-            mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate, up, down
-        self._layers = [((q, k, v), None, o, (gate, up), down) for q, k, v, o, gate, up, down in layers]
+        for index, modules in enumerate(layers):
+            self.adopt_packed_layer(index, modules)
+        self.adopt_packed_head(head)
+
+    def adopt_packed_layer(self, index: int, modules) -> None:
+        """Decoder layer ``index``'s seven projections become ``modules`` (q, k, v, o, gate, up, down
+        :class:`~optimum_ipex_spec.packed_gemm.PackedLinear`); their own weights are released at once (pages of a
+        memory-mapped checkpoint they viewed leave the RSS too).
+
+        Raises:
+            ValueError: int8 weights, or not seven modules.
+        """
+        if self.weights != "dense" or len(modules) != 7:
+            raise ValueError("adopt_packed takes a dense model's packed projections: seven per decoder layer")
+        layer = self.model.model.layers[index]
+        attn, mlp = layer.self_attn, layer.mlp
+        old = [getattr(linear, "weight", None) for linear in layer_projections(layer)]
+        released = [(w.data_ptr(), w.numel() * w.element_size()) for w in old
+                    if isinstance(w, torch.Tensor) and w.is_contiguous()]
+        del old
+        q, k, v, o, gate, up, down = modules
+        attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj = q, k, v, o
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate, up, down
+        self._layers[index] = ((q, k, v), None, o, (gate, up), down)
+        mapped = _mapped_file_ranges()
+        for start, nbytes in released:  # the checkpoint's pages: clean, read back from the file if ever needed
+            if any(low <= start < high for low, high in mapped):
+                page_out(start, nbytes)
+
+    def adopt_packed_head(self, head: torch.nn.Module) -> None:
+        """The LM head becomes ``head`` (a :class:`~optimum_ipex_spec.packed_gemm.PackedLinear`), and a tied input
+        embedding reads its rows from it (:class:`~optimum_ipex_spec.packed_gemm.PackedEmbedding`); the parameters
+        left (embedding, norms) get memory of their own, so no mapped checkpoint stays resident."""
         if _head_is_embedding(self.model):  # the embedding reads the head's packed copy: one copy of the table
             self.model.model.embed_tokens = PackedEmbedding(head)
         self.model.lm_head = head

@@ -438,6 +438,11 @@ def test_a_compiled_fp32_model_holds_its_weights_once_and_still_runs_and_saves(t
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "export", torch_dtype=torch.float32).state_dict()
     for name, tensor in reference.state_dict().items():
         assert torch.equal(saved[name], tensor), name
+    # the transformers model it wrapped saves a plain checkpoint too (its state dict unpacks the packed modules)
+    model.model.save_pretrained(tmp_path / "hf")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(saved[name], tensor), name
 
 
 def test_two_compiled_models_of_one_shape_keep_their_own_weights(dense_bf16_compile):

@@ -131,6 +131,28 @@ def test_unpacking_gives_the_weight_back_and_the_embedding_reads_the_heads_rows(
     assert torch.equal(state["head.weight"], weight)
 
 
+def test_the_packed_modules_refuse_what_an_nn_module_would_and_a_cast_layout():
+    """Found by a break-it review: ids past the vocabulary read the packed head's zero padding (or wrapped) instead
+    of raising as nn.Embedding does; a bf16 x one feature short was padded; a module cast after packing failed deep
+    in the kernel."""
+    torch.manual_seed(0)
+    head = PackedLinear(torch.randn(50, 8))
+    embedding = PackedEmbedding(head)
+    for bad in (50, 95, -1, -100):
+        with pytest.raises(IndexError, match=f"token id {bad} is out of range for an embedding of 50 rows"):
+            embedding(torch.tensor([[3, bad]]))
+    assert torch.equal(embedding(torch.tensor(7)), head.unpacked_weight()[7])  # a 0-D id, as nn.Embedding takes
+    assert embedding(torch.zeros(0, dtype=torch.long)).shape == (0, 8)
+    bf16 = PackedLinear(torch.randn(50, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="takes 8 input features, got x of shape \\(2, 7\\)"):
+        bf16(torch.ones(2, 7, dtype=torch.bfloat16))
+    cast = PackedLinear(torch.randn(50, 8)).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="packed for torch.float32 and then cast to torch.bfloat16"):
+        cast(torch.ones(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="packed for torch.float32"):
+        PackedEmbedding(head).to(torch.bfloat16)(torch.tensor([1]))
+
+
 def test_bad_input_is_refused_with_what_to_fix(kernel):
     with pytest.raises(ValueError, match="2-D float32 or bfloat16 weight"):
         pack_weight(torch.ones(96, 8, dtype=torch.float16))

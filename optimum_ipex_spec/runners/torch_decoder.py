@@ -37,12 +37,13 @@ class TorchDecoderRunner(Runner):
     def warmup(self) -> None:
         if self.step is None:
             return
-        if self.dtype == torch.float32 and self.step.pack():
+        if self.dtype == torch.float32:
             # fp32: the prefill and transformers' forward multiply with the graphs' packed copies too (as fast as
-            # F.linear from 32 rows on), and the model's own weights go: each weight held once. Before the graphs
-            # are traced, as they read the embedding the decoder may replace. bf16 keeps its own for the prefill,
-            # where oneDNN's AMX kernels were 4-7x faster than the packed one at 128-512 rows
-            self.decoder.adopt_packed(self.step.module.packed, self.step.module.packed_head)
+            # F.linear from 32 rows on), and the model's own weights go, layer by layer as they are packed: each
+            # weight held once, and at the peak one layer twice. Before the graphs are traced, as they read the
+            # embedding the decoder may replace. bf16 keeps its own for the prefill, where oneDNN's AMX kernels
+            # were 4-7x faster than the packed one at 128-512 rows
+            self.step.pack(adopt=self.decoder)
         if not self.step.compile():
             self.step = None
 
