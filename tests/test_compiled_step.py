@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec import compiled_step
+from optimum_ipex_spec import compiled_step, packed_gemm
 from optimum_ipex_spec.packed_gemm import PackedEmbedding, packed_gemm_available
 
 from conftest import build_tiny
@@ -102,6 +102,10 @@ def test_compiled_bf16_graphs_share_one_packed_copy_and_verify_as_they_decode(de
     assert model.compile_chunk_step() and step.module.packed is packed and not step.failed
     if packed_here:
         assert packed[0][0].packed.dtype == torch.bfloat16
+        # where its prefills run on AMX tiles the packed copy is the model's only one
+        held_once = packed_gemm.packed_amx_available()
+        assert model.runner.decoder.packed == held_once
+        assert any(isinstance(m, torch.nn.Linear) for m in model.model.modules()) != held_once
     torch.manual_seed(0)
     prompt, more = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 4))
     caches = [model.runner.new_cache(1, 20) for _ in range(2)]

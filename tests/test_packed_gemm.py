@@ -57,6 +57,21 @@ def test_bf16_products_are_the_rounded_fp32_sums_each_row_as_alone(bf16_kernel, 
         assert torch.equal(got, alone), f"{rows} rows"
 
 
+@pytest.mark.parametrize("in_features", [64, 48])  # 48: not a multiple of 32, so vdpbf16ps at any row count
+def test_bf16_prefills_run_on_amx_tiles_to_bf16_rounding(bf16_kernel, in_features):
+    if not packed_gemm.packed_amx_available():
+        pytest.skip("no AMX-BF16 here (or Linux did not grant AMX tile data)")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, 100, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear.weight, linear.bias)
+    for rows in (16, 17, 40):
+        x = torch.randn(2, rows, in_features, dtype=torch.bfloat16)
+        got = packed(x)
+        want = (x.float() @ linear.weight.float().t()).to(torch.bfloat16) + linear.bias
+        assert got.shape == (2, rows, 100)
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+
+
 def test_the_bf16_layout_is_pairs_of_k_side_by_side_per_column():
     weight = torch.arange(50 * 5, dtype=torch.float32).view(50, 5).to(torch.bfloat16)
     packed = pack_weight(weight)

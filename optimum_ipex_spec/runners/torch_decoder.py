@@ -11,6 +11,7 @@ import torch
 
 from ..compat import cache_kwarg, prepare_cache_capacity
 from ..compiled_step import CHUNK_ROWS, CompiledDecodeStep
+from ..packed_gemm import packed_amx_available
 from ..torch_cache import PreallocatedKVCache
 from ..torch_model import TorchCausalLMDecoder
 from .base import Runner, mask_and_positions, output, passed_to_forward, whole_call_arguments
@@ -37,12 +38,13 @@ class TorchDecoderRunner(Runner):
     def warmup(self) -> None:
         if self.step is None:
             return
-        if self.dtype == torch.float32:
+        if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and self.decoder.weights == "dense"
+                                           and packed_amx_available()):
             # fp32: the prefill and transformers' forward multiply with the graphs' packed copies too (as fast as
             # F.linear from 32 rows on), and the model's own weights go, layer by layer as they are packed: each
             # weight held once, and at the peak one layer twice. Before the graphs are traced, as they read the
-            # embedding the decoder may replace. bf16 keeps its own for the prefill, where oneDNN's AMX kernels
-            # were 4-7x faster than the packed one at 128-512 rows
+            # embedding the decoder may replace. bf16 does where the packed kernel's prefills run on AMX tiles (as
+            # fast as oneDNN's); elsewhere it keeps its own weights for them (vdpbf16ps: 4-7x slower at 128-512 rows)
             self.step.pack(adopt=self.decoder)
         if not self.step.compile():
             self.step = None
