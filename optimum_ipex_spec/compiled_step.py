@@ -29,7 +29,8 @@ GEMM templates kept one per graph: a 1.5B target held its weights three times), 
 are released for it (:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed`: each weight held once).
 SmolLM2's 4-token verification costs 45.7 ms against a 42.0 ms step (Inductor's GEMMs: 71 ms), and the graphs
 compile faster (no GEMM to autotune). bf16 graphs multiply with the kernel's bf16 form where the CPU has AVX512-BF16
-(one packed copy for both graphs beside the model's, which its prefill keeps for oneDNN's AMX kernels). Attention must round alike in every call a token can come in too, so its
+(one packed copy for both graphs, which replaces the model's own too where the kernel's prefills run on AMX tiles;
+elsewhere the model keeps its weights for its prefill). Attention must round alike in every call a token can come in too, so its
 length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
 :data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
 inside a generation), else the filled rows rounded up to a multiple of it, the kernel's block, where any multiple

@@ -26,8 +26,12 @@ two graphs against each other on the machine that runs them
 bf16 (with AVX512-BF16) keeps each block's pairs of ``k`` side by side per column, the operand of ``vdpbf16ps``
 (16 fp32 sums of two products each), rounded to bf16 once at the end as oneDNN's GEMMs do; the same blockings. 30
 layers of SmolLM2's bf16 shapes and its head, 1 thread: 23 ms for one row (11.6 GB/s; ``F.linear`` 52 ms, a plain
-``sum`` over the same bytes 27 ms), 28 ms for four. Both bf16 graphs share its copy; the model keeps its own weights
-for the prefill, where oneDNN's AMX kernels ran 128-512 rows 4-7x faster than this one.
+``sum`` over the same bytes 27 ms), 28 ms for four. Both bf16 graphs share its copy. A prefill (16 rows or more, ``k``
+a multiple of 32) runs on AMX tiles where the CPU has AMX-BF16 and Linux grants the process its tile data
+(:func:`packed_amx_available`): a block's 16 pairs of ``k`` x 16 columns is one B tile, and 16-512 rows ran as fast
+as oneDNN's ``F.linear`` on the plain weights or faster (512 rows 22.9 against 23.0 ms, 16 rows 2.9 against 4.5;
+``vdpbf16ps`` 1.6-6.7x slower), so a bf16 model then holds its weights packed only, as an fp32 one does; elsewhere
+it keeps its own for the prefill.
 
 It is a PyTorch operator (``torch.ops.optimum_ipex_spec.packed_mm``, with a fake implementation for tracing), built
 from the C++ below with ``torch.utils.cpp_extension.load_inline`` at the first use (20-40 s; cached in
