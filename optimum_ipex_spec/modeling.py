@@ -56,7 +56,6 @@ from .facts import (
     resolve_dtype,
     WEIGHT_FORMATS,
 )
-from .packed_gemm import unpacked_state_dict
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
 from .runners.base import whole_call_arguments
@@ -871,10 +870,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         else:
             # in bf16 the decoder fuses q/k/v and gate/up, and the layers' weights are row slices of the fused
             # matrices; a checkpoint holds each weight on its own: those slices are copied for the save (the fused
-            # weights once more in memory while it runs); an fp32 model compiled on the packed kernel holds its
-            # projections packed only: they are unpacked for the save (a copy too)
+            # weights once more in memory while it runs); a model compiled on the packed kernel (fp32; bf16 where AMX
+            # runs its prefills) holds its projections packed only: their state dict unpacks them for the save (a copy too; a tied head and its
+            # embedding one tensor, which transformers writes once)
             state_dict = {name: tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
-                          for name, tensor in unpacked_state_dict(self.model).items()}
+                          for name, tensor in self.model.state_dict().items()}
             self.model.save_pretrained(save_directory, state_dict=state_dict)
         self.generation_config.save_pretrained(save_directory)
         ipex_version = ipex_status().ipex_version if self.backend == "ipex" else None

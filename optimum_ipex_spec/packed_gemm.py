@@ -16,7 +16,7 @@ Every fp32 output element is one chain of fused multiply-adds over ``k`` in orde
 ``CppMicroGemmFP32Vec`` (PyTorch, ``torch/_inductor/codegen/cpp_micro_gemm.py``: up to 4 rows x 48 columns of
 accumulators), whatever the number of rows: a token verified in a chunk gets the bits the 1-token graph gives it
 decoded alone. Both graphs then multiply with the same packed copy of the weights, the only one the process holds:
-the runner hands the packed copies to the model (:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed`:
+the runner hands the packed copies to the model (:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed_layer`:
 its prefill and transformers' forward multiply with them too, fp32 32-512 rows within 5% of ``F.linear``; a tied
 input embedding reads the head's rows, :class:`PackedEmbedding`) and releases its own (Inductor's GEMM templates kept
 one per graph beside the model's: a 1.5B target held its weights three times). The compiled step still checks the
@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import weakref
 
 import torch
 
@@ -467,7 +468,10 @@ def unpack_weight(packed: torch.Tensor, out_features: int, in_features: int) -> 
     else:  # [blocks, pairs, 96] -> [blocks, 48, pairs * 2]
         pairs = packed.shape[1]
         columns = packed.view(blocks, pairs, BLOCK_N, 2).permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, 2 * pairs)
-    return columns[:out_features, :in_features].contiguous()
+    weight = columns[:out_features, :in_features]
+    # a tensor of its own (a row slice of the padded copy would keep the padding's storage, and make save_pretrained
+    # copy it again)
+    return weight.clone() if weight.untyped_storage().nbytes() > weight.nbytes else weight.contiguous()
 
 
 class PackedLinear(torch.nn.Module):
@@ -576,25 +580,24 @@ def _check_layout(module: torch.nn.Module) -> None:
                         "model again in the dtype you want instead")
 
 
+#: the packed copies unpacked for the state dicts being built, by (packed copy, shape): a tied head and its embedding
+#: read one packed copy, and their ``weight`` entries are then one tensor, as a tied checkpoint holds them
+#: (transformers' ``save_pretrained`` writes a tied weight once only when both names share storage); weak values: an
+#: entry lives as long as a state dict holds its tensor
+_UNPACKED = weakref.WeakValueDictionary()
+
+
 def _weight_in_state_dict(module: torch.nn.Module, state: dict, prefix: str, local_metadata) -> None:
-    """A state-dict post-hook: the packed copy as the ``weight`` an ``nn.Linear`` / ``nn.Embedding`` holds."""
+    """A state-dict post-hook: the packed copy as the ``weight`` an ``nn.Linear`` / ``nn.Embedding`` holds (a new
+    tensor, the weight once more in memory while the dict lives; one tensor for the modules that share a packed copy).
+    """
     packed = state.pop(prefix + "packed", None)
-    if packed is not None:
-        rows = getattr(module, "out_features", None) or module.num_embeddings
-        columns = getattr(module, "in_features", None) or module.embedding_dim
-        state[prefix + "weight"] = unpack_weight(packed, rows, columns)
-
-
-def unpacked_state_dict(module: torch.nn.Module) -> dict:
-    """``module.state_dict()``, in which each :class:`PackedLinear`'s and :class:`PackedEmbedding`'s packed copy is
-    the ``weight`` an ``nn.Linear`` / ``nn.Embedding`` there would hold (their state-dict hook unpacks it: new
-    tensors, the weights once more in memory while the dict lives), with one tensor per packed copy (a tied head and
-    its embedding stay one tensor, as a checkpoint of a tied model holds them)."""
-    state = module.state_dict()
-    first = {}
-    for name, child in module.named_modules(remove_duplicate=False):
-        if isinstance(child, (PackedLinear, PackedEmbedding)):
-            key = f"{name}.weight" if name else "weight"
-            source = (child.packed.data_ptr(), state[key].shape)
-            state[key] = first.setdefault(source, state[key])
-    return state
+    if packed is None:
+        return
+    rows = getattr(module, "out_features", None) or module.num_embeddings
+    columns = getattr(module, "in_features", None) or module.embedding_dim
+    key = (packed.data_ptr(), packed.dtype, packed._version, rows, columns)
+    weight = _UNPACKED.get(key)
+    if weight is None:
+        weight = _UNPACKED[key] = unpack_weight(packed, rows, columns)
+    state[prefix + "weight"] = weight

@@ -110,7 +110,8 @@ class TorchCausalLMDecoder(torch.nn.Module):
             raise ValueError(f"int8 weights run with bf16 activations; this model is {model.dtype}: load it with "
                              "torch_dtype=torch.bfloat16")
         self.weights = weights
-        #: True once :meth:`adopt_packed` replaced the dense weights by the compiled graphs' packed copies
+        #: True once the compiled graphs' packed copies replaced the dense weights (:meth:`adopt_packed_layer`,
+        #: :meth:`adopt_packed_head`)
         self.packed = False
         config = model.config
         self.model = model
@@ -143,7 +144,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
           it gains nothing measurable, and a fused copy of a memory-mapped checkpoint's weights would be a second
           one.
         """
-        if all(isinstance(linear, PackedLinear) for linear in linears):  # held packed already (adopt_packed)
+        if all(isinstance(linear, PackedLinear) for linear in linears):  # held packed already (adopt_packed_layer)
             return linears[0] if len(linears) == 1 else tuple(linears)
         weights = [linear.weight.detach() for linear in linears]
         if self.weights == "int8":
@@ -171,36 +172,22 @@ class TorchCausalLMDecoder(torch.nn.Module):
         return (self._matrix(*projections), bias, self._matrix(attn.o_proj), self._matrix(mlp.gate_proj, mlp.up_proj),
                 self._matrix(mlp.down_proj))
 
-    def adopt_packed(self, layers, head: torch.nn.Module) -> None:
-        """Hold the weights once: the model's seven projections per layer become ``layers`` (per layer q, k, v, o,
-        gate, up, down: :class:`~optimum_ipex_spec.packed_gemm.PackedLinear` modules, the packed copies the compiled
-        fp32 graphs multiply with), the LM head ``head``, and a tied input embedding reads its rows from ``head``
-        (:class:`~optimum_ipex_spec.packed_gemm.PackedEmbedding`); the model's own weights are released.
-        This decoder (the prefill), the compiled graphs and transformers' forward (which calls the modules) then all
-        multiply with the packed copies; ``save_pretrained`` unpacks them. Measured (1 thread, SmolLM2's shapes), the
-        packed kernel multiplies 32-512 rows within 5% of ``F.linear``'s time in fp32, so a prefill costs what it did.
-        :meth:`adopt_packed_layer` and :meth:`adopt_packed_head` do the same a layer at a time, as the weights are
-        packed (the compiled step does), so that the peak holds one layer twice, not the model.
-
-        Raises:
-            ValueError: int8 weights, or ``layers`` not one entry of seven modules per decoder layer.
-        """
-        if len(layers) != len(self.model.model.layers):
-            raise ValueError("adopt_packed takes a dense model's packed projections: seven per decoder layer")
-        for index, modules in enumerate(layers):
-            self.adopt_packed_layer(index, modules)
-        self.adopt_packed_head(head)
-
     def adopt_packed_layer(self, index: int, modules) -> None:
-        """Decoder layer ``index``'s seven projections become ``modules`` (q, k, v, o, gate, up, down
-        :class:`~optimum_ipex_spec.packed_gemm.PackedLinear`); their own weights are released at once (pages of a
-        memory-mapped checkpoint they viewed leave the RSS too).
+        """Hold a layer's weights once: decoder layer ``index``'s seven projections become ``modules`` (q, k, v, o,
+        gate, up, down :class:`~optimum_ipex_spec.packed_gemm.PackedLinear`: the packed copies the compiled graphs
+        multiply with), and their own weights are released at once (pages of a memory-mapped checkpoint they viewed
+        leave the RSS too). This decoder (the prefill), the compiled graphs and transformers' forward (which calls the
+        modules) then all multiply with the packed copies; ``save_pretrained`` unpacks them. Measured (1 thread,
+        SmolLM2's shapes), the packed kernel multiplies 32-512 rows within 5% of ``F.linear``'s time in fp32, so a
+        prefill costs what it did. The compiled step calls it a layer at a time as it packs the weights
+        (:meth:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep.pack`), so that the peak holds one layer twice,
+        not the model; :meth:`adopt_packed_head` ends it.
 
         Raises:
             ValueError: int8 weights, or not seven modules.
         """
         if self.weights != "dense" or len(modules) != 7:
-            raise ValueError("adopt_packed takes a dense model's packed projections: seven per decoder layer")
+            raise ValueError("adopt_packed_layer takes a dense model's packed projections: seven per decoder layer")
         layer = self.model.model.layers[index]
         attn, mlp = layer.self_attn, layer.mlp
         old = [getattr(linear, "weight", None) for linear in layer_projections(layer)]
@@ -334,7 +321,7 @@ def layer_projections(layer) -> tuple:
 def _head_is_embedding(model: torch.nn.Module) -> bool:
     """True when the LM head's weight is the input embedding's (tied): it is then not the decoder's to replace."""
     head, embedding = model.lm_head, model.model.embed_tokens
-    if isinstance(embedding, PackedEmbedding):  # a model that holds its weights packed (adopt_packed)
+    if isinstance(embedding, PackedEmbedding):  # a model that holds its weights packed (adopt_packed_head)
         return getattr(head, "packed", None) is embedding.packed
     return getattr(head, "weight", None) is embedding.weight
 
