@@ -24,9 +24,11 @@ two graphs against each other on the machine that runs them
 (:meth:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep.compile_chunk`).
 
 bf16 (with AVX512-BF16) keeps each block's pairs of ``k`` side by side per column, the operand of ``vdpbf16ps``
-(16 fp32 sums of two products each), rounded to bf16 once at the end as oneDNN's GEMMs do; the same blockings. 30
-layers of SmolLM2's bf16 shapes and its head, 1 thread: 23 ms for one row (11.6 GB/s; ``F.linear`` 52 ms, a plain
-``sum`` over the same bytes 27 ms), 28 ms for four. Both bf16 graphs share its copy. A prefill (16 rows or more, ``k``
+(16 fp32 sums of two products each), rounded to bf16 once at the end as oneDNN's GEMMs do; one row reads four
+blocks at once and 2-4 rows two, each prefetched 8 pairs of ``k`` ahead. 30 layers of SmolLM2's bf16 shapes and
+its head, 1 thread (``benchmarks/packed_gemm_rows.py``): 17.7 ms for one row (15.2 GB/s; a plain ``sum`` over the
+same bytes 17.0, ``F.linear`` 39.8; two blocks without a prefetch, as fp32 reads one row, gave 12.9 GB/s), 19.6 ms
+for four (one block at a time gave 9.1 GB/s). Both bf16 graphs share its copy. A prefill (16 rows or more, ``k``
 a multiple of 32) runs on AMX tiles where the CPU has AMX-BF16 and Linux grants the process its tile data
 (:func:`packed_amx_available`): a block's 16 pairs of ``k`` x 16 columns is one B tile, and 16-512 rows ran as fast
 as oneDNN's ``F.linear`` on the plain weights or faster (512 rows 22.9 against 23.0 ms, 16 rows 2.9 against 4.5;
@@ -129,7 +131,6 @@ void one_row_two_blocks(const float* A, const float* B0, const float* B1, float*
 // vdpbf16ps multiplies by the pair of x broadcast (AVX512-BF16): 16 fp32 sums of two products each, rounded to bf16
 // once at the end (as oneDNN's bf16 GEMMs do)
 constexpr int64_t kPairRow = 2 * kBlockN;
-constexpr int64_t kPrefetchPairs = 16;
 #define OIS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 OIS_BF16_TARGET inline void store_bf16(at::BFloat16* C, __m512 acc, int64_t left) {
@@ -140,9 +141,13 @@ OIS_BF16_TARGET inline void store_bf16(at::BFloat16* C, __m512 acc, int64_t left
 }
 
 // C[0:M, columns of NB blocks] = A[0:M, :] @ NB packed bf16 blocks (block_stride apart); the last block's columns
-// ncols_last. One row reads two blocks at once without a software prefetch (as the fp32 kernel), 2-4 rows one
-// block with it
-template <int M, int NB, bool kPrefetch>
+// ncols_last; each block's weights prefetched kAhead pairs of k ahead (0: none). One row reads four blocks at once,
+// 8 pairs ahead (SmolLM2's bf16 shapes, 1 thread: 14.7 GB/s, a plain sum's speed, where two blocks without a
+// prefetch, as the fp32 kernel reads them, gave 12.9), 2-4 rows two blocks, 8 pairs ahead (11.2 GB/s; one block 16
+// pairs ahead: 9.1)
+constexpr int kOneRowPairsAhead = 8;
+constexpr int kRowsPairsAhead = 8;
+template <int M, int NB, int kAhead>
 OIS_BF16_TARGET void rows_blocks_bf16(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t block_stride,
                                       at::BFloat16* C, int64_t ldc, int64_t K2, int64_t ncols_last) {
   __m512 acc[M][NB][3];
@@ -154,8 +159,8 @@ OIS_BF16_TARGET void rows_blocks_bf16(const at::BFloat16* A, int64_t lda, const 
     __m512bh b[NB][3];
     for (int j = 0; j < NB; j++) {
       const at::BFloat16* bp = B + j * block_stride + kk * kPairRow;
-      if (kPrefetch) {
-        const char* ahead = reinterpret_cast<const char*>(bp + kPrefetchPairs * kPairRow);
+      if (kAhead) {
+        const char* ahead = reinterpret_cast<const char*>(bp + kAhead * kPairRow);
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
         _mm_prefetch(ahead + 128, _MM_HINT_T0);
@@ -270,24 +275,43 @@ at::Tensor packed_mm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     if (M == 1) {
       int64_t block = begin;
+      for (; block + 3 < end; block += 4)
+        rows_blocks_bf16<1, 4, kOneRowPairsAhead>(A, K, B + block * stride, stride, C + block * kBlockN, n, K2,
+                                                  columns(block + 3));
       for (; block + 1 < end; block += 2)
-        rows_blocks_bf16<1, 2, false>(A, K, B + block * stride, stride, C + block * kBlockN, n, K2, columns(block + 1));
+        rows_blocks_bf16<1, 2, kOneRowPairsAhead>(A, K, B + block * stride, stride, C + block * kBlockN, n, K2,
+                                                  columns(block + 1));
       if (block < end)
-        rows_blocks_bf16<1, 1, false>(A, K, B + block * stride, stride, C + block * kBlockN, n, K2, columns(block));
+        rows_blocks_bf16<1, 1, kOneRowPairsAhead>(A, K, B + block * stride, stride, C + block * kBlockN, n, K2,
+                                                  columns(block));
       return;
     }
-    for (int64_t block = begin; block < end; block++)
+    for (int64_t block = begin; block < end; block += 2) {
+      const bool two = block + 1 < end;  // two blocks at once: 24 accumulators for 4 rows
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const at::BFloat16* Am = A + m0 * K;
         const at::BFloat16* Bb = B + block * stride;
         at::BFloat16* Cm = C + m0 * n + block * kBlockN;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 4: rows_blocks_bf16<4, 1, true>(Am, K, Bb, stride, Cm, n, K2, columns(block)); break;
-          case 3: rows_blocks_bf16<3, 1, true>(Am, K, Bb, stride, Cm, n, K2, columns(block)); break;
-          case 2: rows_blocks_bf16<2, 1, true>(Am, K, Bb, stride, Cm, n, K2, columns(block)); break;
-          default: rows_blocks_bf16<1, 1, true>(Am, K, Bb, stride, Cm, n, K2, columns(block));
+        const int64_t rows = std::min<int64_t>(4, M - m0);
+        if (two) {
+          const int64_t last = columns(block + 1);
+          switch (rows) {
+            case 4: rows_blocks_bf16<4, 2, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
+            case 3: rows_blocks_bf16<3, 2, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
+            case 2: rows_blocks_bf16<2, 2, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
+            default: rows_blocks_bf16<1, 2, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last);
+          }
+        } else {
+          const int64_t last = columns(block);
+          switch (rows) {
+            case 4: rows_blocks_bf16<4, 1, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
+            case 3: rows_blocks_bf16<3, 1, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
+            case 2: rows_blocks_bf16<2, 1, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
+            default: rows_blocks_bf16<1, 1, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last);
+          }
         }
       }
+    }
   });
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
@@ -366,7 +390,7 @@ def _kernel_built() -> bool:
         from torch.utils.cpp_extension import load_inline
 
         # the torch version in the name: two torch versions sharing one TORCH_EXTENSIONS_DIR keep a build each
-        name = "optimum_ipex_spec_packed_gemm_v3_torch" + re.sub(r"\W", "_", torch.__version__)
+        name = "optimum_ipex_spec_packed_gemm_v4_torch" + re.sub(r"\W", "_", torch.__version__)
         load_inline(name, cpp_sources=[_SOURCE], is_python_module=False,
                     extra_cflags=["-O3", "-mavx512f", "-mfma"], verbose=False)
         torch.library.register_fake("optimum_ipex_spec::packed_mm")(_packed_mm_shape)

@@ -38,7 +38,8 @@ def bf16_kernel(kernel):
     assert packed_gemm_available(torch.bfloat16)
 
 
-@pytest.mark.parametrize("out_features, in_features", [(32, 16), (48, 64), (100, 33), (1536, 576)])
+# 1, 3, 7 (one row: four blocks at once, then two, then one) and 32 blocks of 48 columns
+@pytest.mark.parametrize("out_features, in_features", [(32, 16), (48, 64), (100, 33), (300, 62), (1536, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_products_are_the_rounded_fp32_sums_each_row_as_alone(bf16_kernel, out_features, in_features, bias):
     torch.manual_seed(0)
