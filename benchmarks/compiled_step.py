@@ -195,7 +195,9 @@ def render(result) -> str:
         "",
         "Notes:",
         "- `ours compiled` loads in the time Inductor takes to compile its graphs (freezing, max-autotune over its C++ "
-        "GEMM templates; on AVX-512, optimum_ipex_spec.packed_gemm's kernel instead, fp32 and, with AVX512-BF16, bf16): "
+        "GEMM templates; on AVX-512, optimum_ipex_spec.packed_gemm's kernel instead, fp32 and, with AVX512-BF16, bf16; "
+        "from torch 2.13 under Inductor's C++ wrapper, whose C++ the first compile of a model's shapes builds, then "
+        "cached): "
         "a 1-token graph (plain decoding); a target compiles its 4-token verification graph at its first chunk of "
         "draft tokens, or ahead with `compile_chunk_step()`, which holds a second packed copy of its weights where "
         "Inductor's GEMMs run (the packed kernel's graphs share one; in fp32 it replaces the model's own weights, "
