@@ -48,6 +48,7 @@ import functools
 import logging
 import re
 import weakref
+from typing import Optional
 
 import torch
 
@@ -142,9 +143,9 @@ OIS_BF16_TARGET inline void store_bf16(at::BFloat16* C, __m512 acc, int64_t left
 
 // C[0:M, columns of NB blocks] = A[0:M, :] @ NB packed bf16 blocks (block_stride apart); the last block's columns
 // ncols_last; each block's weights prefetched kAhead pairs of k ahead (0: none). One row reads four blocks at once,
-// 8 pairs ahead (SmolLM2's bf16 shapes, 1 thread: 14.7 GB/s, a plain sum's speed, where two blocks without a
-// prefetch, as the fp32 kernel reads them, gave 12.9), 2-4 rows two blocks, 8 pairs ahead (11.2 GB/s; one block 16
-// pairs ahead: 9.1)
+// 8 pairs ahead (SmolLM2's bf16 shapes, 1 thread, benchmarks/packed_gemm_rows.py: 15.2 GB/s, a plain sum's 15.8;
+// two blocks without a prefetch, as the fp32 kernel reads them, about 12-13), 2-4 rows two blocks, 8 pairs ahead
+// (4 rows 13.7 GB/s; one block 16 pairs ahead: about 9-10)
 constexpr int kOneRowPairsAhead = 8;
 constexpr int kRowsPairsAhead = 8;
 template <int M, int NB, int kAhead>
@@ -604,11 +605,26 @@ def _check_layout(module: torch.nn.Module) -> None:
                         "model again in the dtype you want instead")
 
 
-#: the packed copies unpacked for the state dicts being built, by (packed copy, shape): a tied head and its embedding
-#: read one packed copy, and their ``weight`` entries are then one tensor, as a tied checkpoint holds them
-#: (transformers' ``save_pretrained`` writes a tied weight once only when both names share storage); weak values: an
-#: entry lives as long as a state dict holds its tensor
-_UNPACKED = weakref.WeakValueDictionary()
+#: per state dict being built (by ``id``, with a weak reference to it): its packed copies unpacked, by (packed copy,
+#: shape). A tied head and its embedding read one packed copy, and their ``weight`` entries are then one tensor, as a
+#: tied checkpoint holds them (transformers' ``save_pretrained`` writes a tied weight once only when both names share
+#: storage). Scoped to one dict, so an address that a freed packed copy leaves to another never maps to its weights
+_UNPACKED: dict = {}
+
+
+def _unpacked_for(state: dict) -> Optional[dict]:
+    """The memo of :data:`_UNPACKED` for ``state`` (dropped when ``state`` is), or None where ``state`` takes no weak
+    reference (a plain ``dict`` given as ``destination``: no deduplication then)."""
+    key = id(state)
+    entry = _UNPACKED.get(key)
+    if entry is not None and entry[0]() is state:
+        return entry[1]
+    try:
+        ref = weakref.ref(state, lambda _, key=key: _UNPACKED.pop(key, None))
+    except TypeError:
+        return None
+    _UNPACKED[key] = (ref, {})
+    return _UNPACKED[key][1]
 
 
 def _weight_in_state_dict(module: torch.nn.Module, state: dict, prefix: str, local_metadata) -> None:
@@ -620,8 +636,11 @@ def _weight_in_state_dict(module: torch.nn.Module, state: dict, prefix: str, loc
         return
     rows = getattr(module, "out_features", None) or module.num_embeddings
     columns = getattr(module, "in_features", None) or module.embedding_dim
-    key = (packed.data_ptr(), packed.dtype, packed._version, rows, columns)
-    weight = _UNPACKED.get(key)
+    memo = _unpacked_for(state)
+    key = (packed.data_ptr(), packed.dtype, rows, columns)
+    weight = memo.get(key) if memo is not None else None
     if weight is None:
-        weight = _UNPACKED[key] = unpack_weight(packed, rows, columns)
+        weight = unpack_weight(packed, rows, columns)
+        if memo is not None:
+            memo[key] = weight
     state[prefix + "weight"] = weight

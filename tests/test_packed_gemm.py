@@ -72,6 +72,28 @@ def test_bf16_prefills_run_on_amx_tiles_to_bf16_rounding(bf16_kernel, in_feature
         assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_that_start_mid_group_give_the_same_bits(kernel, dtype):
+    """Threads split the blocks of 48 columns at any block (3 threads over 7: 0-2, 3-5, 6), and one row reads blocks in
+    groups of two or four from each thread's first: every split gives the one-thread bits."""
+    if dtype == torch.bfloat16 and not packed_gemm_available(torch.bfloat16):
+        pytest.skip("the packed bf16 kernel needs AVX512-BF16")
+    torch.manual_seed(0)
+    weight = torch.randn(300, 62).to(dtype)
+    packed = PackedLinear(weight)
+    previous = torch.get_num_threads()
+    try:
+        for rows in (1, 3, 4):
+            x = torch.randn(1, rows, 62).to(dtype)
+            torch.set_num_threads(1)
+            want = packed(x)
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(packed(x), want), (rows, threads)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_the_bf16_layout_is_pairs_of_k_side_by_side_per_column():
     weight = torch.arange(50 * 5, dtype=torch.float32).view(50, 5).to(torch.bfloat16)
     packed = pack_weight(weight)
@@ -144,6 +166,29 @@ def test_unpacking_gives_the_weight_back_and_the_embedding_reads_the_heads_rows(
     state = torch.nn.ModuleDict({"head": head, "embed": embedding}).state_dict()
     assert set(state) == {"head.weight", "embed.weight"} and state["head.weight"] is state["embed.weight"]
     assert torch.equal(state["head.weight"], weight)
+
+
+def test_state_dicts_of_modules_packed_in_inference_mode_and_of_a_model_that_replaced_another():
+    """Found by a review: the memo that makes a tied head and its embedding one tensor read the packed copy's version
+    counter, which tensors made under ``torch.inference_mode()`` lack, and outlived the state dict it served, so a new
+    packed copy at a freed one's address could get the old weights. It now lives as long as one state dict."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        weight = torch.randn(100, 33)
+        head = PackedLinear(weight)
+        modules = torch.nn.ModuleDict({"head": head, "embed": PackedEmbedding(head)})
+    state = modules.state_dict()
+    assert torch.equal(state["head.weight"], weight) and state["head.weight"] is state["embed.weight"]
+    kept = state["head.weight"]
+    del modules, head, state
+    for _ in range(5):  # new copies, of the same shape, often at the freed addresses
+        other = torch.randn(100, 33)
+        got = PackedLinear(other).state_dict()["weight"]
+        assert torch.equal(got, other) and got is not kept
+    plain = {}  # a destination that takes no weak reference: each module unpacks its own
+    head = PackedLinear(weight.clone())
+    torch.nn.ModuleDict({"head": head, "embed": PackedEmbedding(head)}).state_dict(destination=plain)
+    assert torch.equal(plain["head.weight"], weight) and torch.equal(plain["embed.weight"], weight)
 
 
 def test_the_packed_modules_refuse_what_an_nn_module_would_and_a_cast_layout():
