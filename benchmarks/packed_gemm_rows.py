@@ -16,23 +16,8 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-from linear_rows import decoder_shapes
-
-
-def pass_seconds(modules, rows: int, dtype: torch.dtype, repeats: int) -> float:
-    inputs = {}
-    for module in modules:
-        inputs.setdefault(module.in_features, torch.randn(rows, module.in_features, dtype=dtype))
-    times = []
-    with torch.no_grad():
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for module in modules:
-                module(inputs[module.in_features])
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from linear_rows import decoder_shapes, pass_seconds
 
 
 def main(argv=None) -> int:
@@ -67,7 +52,7 @@ def main(argv=None) -> int:
         for rows in args.rows:
             for _ in range(2):  # interleaved; each kernel's faster round of two
                 for kernel, modules in (("packed_mm", packed), ("F.linear", plain)):
-                    seconds = pass_seconds(modules, rows, dtype, args.repeats)
+                    seconds = pass_seconds(modules, rows, args.repeats, dtype)
                     results[kernel][rows] = min(results[kernel].get(rows, seconds), seconds)
                 times = []
                 for _ in range(args.repeats):
