@@ -26,12 +26,13 @@ EPYC Zen 4 the padding cost 12%. For the same reason both fp32 graphs multiply w
 one chain of fused multiply-adds in order whatever the row count (so a row's bits do not depend on the graph), the
 weight prefetched for 4 rows and read as two streams for 1, from one packed copy that both graphs share (Inductor's
 GEMM templates kept one per graph: a 1.5B target held its weights three times), and in fp32 the model's own weights
-are released for it (:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed_layer`: each weight held once).
+are released for it (:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed_layer`: each weight
+held once).
 SmolLM2's 4-token verification costs 45.7 ms against a 42.0 ms step (Inductor's GEMMs: 71 ms), and the graphs
 compile faster (no GEMM to autotune). bf16 graphs multiply with the kernel's bf16 form where the CPU has AVX512-BF16
 (one packed copy for both graphs, which replaces the model's own too where the kernel's prefills run on AMX tiles;
-elsewhere the model keeps its weights for its prefill). Attention must round alike in every call a token can come in too, so its
-length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
+elsewhere the model keeps its weights for its prefill). Attention must round alike in every call a token can come in
+too, so its length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
 :data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
 inside a generation), else the filled rows rounded up to a multiple of it, the kernel's block, where any multiple
 gives the same bits (:func:`exact_attention_length`). bf16 targets are not bit-exact anyway

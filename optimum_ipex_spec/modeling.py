@@ -871,8 +871,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             # in bf16 the decoder fuses q/k/v and gate/up, and the layers' weights are row slices of the fused
             # matrices; a checkpoint holds each weight on its own: those slices are copied for the save (the fused
             # weights once more in memory while it runs); a model compiled on the packed kernel (fp32; bf16 where AMX
-            # runs its prefills) holds its projections packed only: their state dict unpacks them for the save (a copy too; a tied head and its
-            # embedding one tensor, which transformers writes once)
+            # runs its prefills) holds its projections packed only: their state dict unpacks them for the save (a
+            # copy too; a tied head and its embedding one tensor, which transformers writes once)
             state_dict = {name: tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
                           for name, tensor in self.model.state_dict().items()}
             self.model.save_pretrained(save_directory, state_dict=state_dict)

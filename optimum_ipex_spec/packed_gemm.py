@@ -16,10 +16,11 @@ Every fp32 output element is one chain of fused multiply-adds over ``k`` in orde
 ``CppMicroGemmFP32Vec`` (PyTorch, ``torch/_inductor/codegen/cpp_micro_gemm.py``: up to 4 rows x 48 columns of
 accumulators), whatever the number of rows: a token verified in a chunk gets the bits the 1-token graph gives it
 decoded alone. Both graphs then multiply with the same packed copy of the weights, the only one the process holds:
-the runner hands the packed copies to the model (:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed_layer`:
-its prefill and transformers' forward multiply with them too, fp32 32-512 rows within 5% of ``F.linear``; a tied
-input embedding reads the head's rows, :class:`PackedEmbedding`) and releases its own (Inductor's GEMM templates kept
-one per graph beside the model's: a 1.5B target held its weights three times). The compiled step still checks the
+the runner hands the packed copies to the model
+(:meth:`~optimum_ipex_spec.torch_model.TorchCausalLMDecoder.adopt_packed_layer`: its prefill and transformers'
+forward multiply with them too, fp32 32-512 rows within 5% of ``F.linear``; a tied input embedding reads the head's
+rows, :class:`PackedEmbedding`) and releases its own (Inductor's GEMM templates kept one per graph beside the
+model's: a 1.5B target held its weights three times). The compiled step still checks the
 two graphs against each other on the machine that runs them
 (:meth:`~optimum_ipex_spec.compiled_step.CompiledDecodeStep.compile_chunk`).
 
@@ -181,6 +182,19 @@ OIS_BF16_TARGET void rows_blocks_bf16(const at::BFloat16* A, int64_t lda, const 
     }
 }
 
+// rows_blocks_bf16 for 1-4 rows (a run-time count) of NB blocks, prefetched kRowsPairsAhead pairs ahead
+template <int NB>
+OIS_BF16_TARGET void up_to_4_rows_bf16(int64_t rows, const at::BFloat16* A, int64_t lda, const at::BFloat16* B,
+                                       int64_t block_stride, at::BFloat16* C, int64_t ldc, int64_t K2,
+                                       int64_t ncols_last) {
+  switch (rows) {
+    case 4: rows_blocks_bf16<4, NB, kRowsPairsAhead>(A, lda, B, block_stride, C, ldc, K2, ncols_last); break;
+    case 3: rows_blocks_bf16<3, NB, kRowsPairsAhead>(A, lda, B, block_stride, C, ldc, K2, ncols_last); break;
+    case 2: rows_blocks_bf16<2, NB, kRowsPairsAhead>(A, lda, B, block_stride, C, ldc, K2, ncols_last); break;
+    default: rows_blocks_bf16<1, NB, kRowsPairsAhead>(A, lda, B, block_stride, C, ldc, K2, ncols_last);
+  }
+}
+
 // AMX (prefills): a block's 16 pairs of k x 16 columns are one B tile (rows 192 bytes apart), so 3 C tiles, one A
 // tile (16 rows x 32 k) and 3 B tiles multiply 16 rows by a block per 32 k. Measured (SmolLM2's bf16 shapes, 1
 // thread): 16-512 rows as fast as oneDNN's F.linear on the plain weight or faster (512 rows 22.9 vs 23.0 ms, 16 rows
@@ -290,27 +304,14 @@ at::Tensor packed_mm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t
     for (int64_t block = begin; block < end; block += 2) {
       const bool two = block + 1 < end;  // two blocks at once: 24 accumulators for 4 rows
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m0);
         const at::BFloat16* Am = A + m0 * K;
         const at::BFloat16* Bb = B + block * stride;
         at::BFloat16* Cm = C + m0 * n + block * kBlockN;
-        const int64_t rows = std::min<int64_t>(4, M - m0);
-        if (two) {
-          const int64_t last = columns(block + 1);
-          switch (rows) {
-            case 4: rows_blocks_bf16<4, 2, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
-            case 3: rows_blocks_bf16<3, 2, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
-            case 2: rows_blocks_bf16<2, 2, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
-            default: rows_blocks_bf16<1, 2, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last);
-          }
-        } else {
-          const int64_t last = columns(block);
-          switch (rows) {
-            case 4: rows_blocks_bf16<4, 1, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
-            case 3: rows_blocks_bf16<3, 1, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
-            case 2: rows_blocks_bf16<2, 1, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last); break;
-            default: rows_blocks_bf16<1, 1, kRowsPairsAhead>(Am, K, Bb, stride, Cm, n, K2, last);
-          }
-        }
+        if (two)
+          up_to_4_rows_bf16<2>(rows, Am, K, Bb, stride, Cm, n, K2, columns(block + 1));
+        else
+          up_to_4_rows_bf16<1>(rows, Am, K, Bb, stride, Cm, n, K2, columns(block));
       }
     }
   });
