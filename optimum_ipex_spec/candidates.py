@@ -367,6 +367,48 @@ def cut_at_stopping_point(candidates: torch.LongTensor, logits: Optional[torch.F
     return candidates, logits
 
 
+def check_user_candidates(input_ids: torch.LongTensor, candidates, logits, vocab_size: Optional[int]) -> None:
+    """Check what a user-written generator's ``get_candidates(input_ids)`` returned, before the target reads it.
+
+    Args:
+        input_ids: the context the generator was given, int64 ``[1, L]``.
+        candidates: must be an integer tensor ``[1, L + n]`` (``n >= 0`` proposals) whose first ``L`` ids are
+            ``input_ids`` unchanged, every id in ``0 .. vocab_size - 1``.
+        logits: None, or a floating tensor ``[1, n, V]`` (the generator's scores of its ``n`` proposals).
+        vocab_size: the target's vocabulary size (None: not checked).
+
+    Raises:
+        ValueError: any of the above does not hold; the message names what and the contract. (A changed prefix
+            would make the target continue a text other than the user's: the output would silently differ from the
+            target alone.)
+    """
+    contract = ("get_candidates(input_ids) must return (candidate_ids, logits or None) with candidate_ids an integer "
+                "tensor [1, L + n]: the input_ids it was given, unchanged, followed by its n proposed tokens")
+    if not isinstance(candidates, torch.Tensor) or candidates.dtype.is_floating_point or candidates.is_complex() \
+            or candidates.dtype == torch.bool:
+        what = candidates.dtype if isinstance(candidates, torch.Tensor) else type(candidates).__name__
+        raise ValueError(f"candidate_generator returned candidate_ids of type {what}; {contract}")
+    length = input_ids.shape[1]
+    if candidates.dim() != 2 or candidates.shape[0] != input_ids.shape[0] or candidates.shape[1] < length:
+        raise ValueError(f"candidate_generator returned candidate_ids of shape {tuple(candidates.shape)} for input_ids "
+                         f"of shape {tuple(input_ids.shape)}; {contract}")
+    changed = (candidates[:, :length] != input_ids).nonzero()
+    if changed.numel():
+        position = int(changed[0, 1])
+        raise ValueError(f"candidate_generator changed the context it was given: at position {position} it returned "
+                         f"id {int(candidates[0, position])} where input_ids hold {int(input_ids[0, position])}; "
+                         f"{contract}")
+    proposed = candidates[:, length:]
+    if vocab_size is not None and proposed.numel() and (int(proposed.min()) < 0 or int(proposed.max()) >= vocab_size):
+        raise ValueError(f"candidate_generator proposed token ids outside the target's vocabulary "
+                         f"(0 .. {vocab_size - 1}): {proposed[(proposed < 0) | (proposed >= vocab_size)].tolist()}")
+    if logits is not None and (not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point
+                               or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, proposed.shape[1])):
+        what = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"candidate_generator returned logits {what} for {proposed.shape[1]} proposed tokens; "
+                         "return None, or floating-point logits [1, n, vocab] for the n proposals")
+
+
 def stop_proposals_at_stopping_criteria(generator, stopping_criteria, keep_stopping_token: bool = False):
     """Make ``generator`` (a transformers ``CandidateGenerator`` or one of ours) cut each proposal at the first
     point where ``stopping_criteria`` (all criteria of the ``generate()`` call: ``max_length``, EOS,
@@ -404,16 +446,23 @@ class StoppingCriteriaAwareCandidates:
         keep_stopping_token: True when sampling (see :func:`cut_at_stopping_point`).
     """
 
-    def __init__(self, generator, stopping_criteria, keep_stopping_token: bool = False):
+    def __init__(self, generator, stopping_criteria, keep_stopping_token: bool = False,
+                 vocab_size: Optional[int] = None):
         from transformers import StoppingCriteriaList
 
         self.generator = generator
         self.stopping_criteria = (stopping_criteria if isinstance(stopping_criteria, StoppingCriteriaList)
                                   else StoppingCriteriaList(stopping_criteria))
         self.keep_stopping_token = keep_stopping_token
+        self.vocab_size = vocab_size
 
     def get_candidates(self, input_ids: torch.LongTensor):
-        candidates, logits = self.generator.get_candidates(input_ids)
+        result = self.generator.get_candidates(input_ids)
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise ValueError(f"candidate_generator.get_candidates() must return a pair (candidate_ids, logits or "
+                             f"None), got {type(result).__name__}")
+        candidates, logits = result
+        check_user_candidates(input_ids, candidates, logits, self.vocab_size)
         return cut_at_stopping_point(candidates, logits, input_ids.shape[1], self.stopping_criteria,
                                      self.keep_stopping_token)
 

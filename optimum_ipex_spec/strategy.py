@@ -62,6 +62,8 @@ class GenerationRequest:
         strategy: the strategy chosen, once transformers asked for the candidate generator.
         schedule: the ``num_assistant_tokens_schedule`` passed to this call (not only configured), or None. Prompt
             lookup reads it here: it has no draft whose generation config would carry it.
+        runner: the runner that serves the whole call when it is not the model's own (transformers' forward and
+            cache where the call asks for hidden states or attentions on the pure-PyTorch decoder), else None.
     """
 
     candidate_generator: Any = None
@@ -69,6 +71,7 @@ class GenerationRequest:
     stopping_criteria: Any = None
     strategy: Optional[Strategy] = None
     schedule: Optional[str] = None
+    runner: Any = None
 
 
 _REQUEST: contextvars.ContextVar[Optional[GenerationRequest]] = contextvars.ContextVar(
@@ -325,21 +328,48 @@ def check_draft_arguments(values: Dict[str, Any]) -> None:
                          f"when its top token is less likely than this), got {threshold!r}")
 
 
+#: per-call generation configs of drafts that read theirs through :func:`call_generation_config` (ours), by
+#: ``id(draft)``: a context variable, so each thread (and each nested call) sees only its own call's
+_CALL_CONFIGS: contextvars.ContextVar[Dict[int, Any]] = contextvars.ContextVar(
+    "optimum_ipex_spec_call_generation_configs", default={})
+
+
+def call_generation_config(model) -> Optional[Any]:
+    """The generation config that ``model`` has for the ``generate()`` call running in this context (set by
+    :func:`draft_generation_config`), or None outside such a call."""
+    return _CALL_CONFIGS.get().get(id(model))
+
+
 @contextlib.contextmanager
-def draft_generation_config(assistant, overrides: Dict[str, Any]) -> Iterator[None]:
-    """transformers reads the draft arguments from the draft's generation config: give the draft a copy carrying
-    ``overrides`` for one call (the heuristic schedule's write-back then lands in the copy too)."""
-    if not overrides:
+def draft_generation_config(kwargs: Dict[str, Any], overrides: Dict[str, Any]) -> Iterator[None]:
+    """transformers reads the draft arguments from the draft's generation config: give the draft of this call
+    (``kwargs["assistant_model"]``) a copy carrying ``overrides``, seen by this call only (the heuristic schedule's
+    write-back then lands in the copy too). The shared draft object is never written, so two threads that share a
+    draft, each with its own arguments, do not see each other's.
+
+    A draft of ours (a class with ``per_call_generation_config = True``, whose ``generation_config`` property asks
+    :func:`call_generation_config`) gets the copy through a context variable; another model (a transformers draft)
+    is replaced in ``kwargs`` for this call by a shallow copy holding the copied config (its modules and weights
+    shared with the original)."""
+    assistant = kwargs.get("assistant_model")
+    if not overrides or assistant is None:
         yield
         return
-    original = assistant.generation_config
-    assistant.generation_config = copy.deepcopy(original)
+    config = copy.deepcopy(assistant.generation_config)
     for name, value in overrides.items():
-        setattr(assistant.generation_config, name, value)
+        setattr(config, name, value)
+    if not getattr(type(assistant), "per_call_generation_config", False):
+        view = copy.copy(assistant)  # nn.Module: the copy shares _modules/_parameters, its __dict__ is its own
+        view.__dict__["generation_config"] = config
+        view.__dict__["per_call_view_of"] = assistant  # state kept per draft is keyed on it (cost_model.SamplingTimes)
+        kwargs["assistant_model"] = view
+        yield
+        return
+    token = _CALL_CONFIGS.set({**_CALL_CONFIGS.get(), id(assistant): config})
     try:
         yield
     finally:
-        assistant.generation_config = original
+        _CALL_CONFIGS.reset(token)
 
 
 def same_size_different_vocabularies(target, assistant, tokenizer, assistant_tokenizer) -> bool:

@@ -4,7 +4,9 @@ Per decoder layer, keys and values live in ``[batch, kv_heads, capacity, head_di
 dtype) written in place at rows ``length .. length + q - 1``; a forward reads rows ``0 .. length + q - 1``.
 Cropping to ``n`` tokens only sets ``length = n``: rows past ``n`` are overwritten by the next forward
 before anything reads them, so a rollback after rejected draft tokens costs nothing and is exact.
-Capacity grows by doubling when a forward needs more rows (one copy, amortized).
+Capacity grows when a forward needs more rows (one copy each time, amortized): a cache of ``generate()`` starts at
+its prompt and :data:`GROWTH_ROWS` rows, whatever ``max_new_tokens`` is, and each growth adds twice the rows of the
+one before, never past the rows the generation can hold (its growth limit); a cache made otherwise doubles.
 """
 
 from __future__ import annotations
@@ -15,6 +17,17 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .compat import crop_keep_length
+
+#: rows past the prompt that a cache of ``generate()`` starts with, and what its first growth adds (each later growth
+#: adds twice the rows of the one before): its memory follows the tokens generated, not ``max_new_tokens``
+GROWTH_ROWS = 16
+
+
+def first_capacity(prompt_tokens: Optional[int]) -> int:
+    """The rows ``generate()`` allocates for a prompt of ``prompt_tokens`` tokens: the prompt's and
+    :data:`GROWTH_ROWS` more (independent of ``max_new_tokens``); :data:`GROWTH_ROWS` when the prompt's length is
+    unknown (the prefill then grows the cache to it)."""
+    return max(int(prompt_tokens or 0), 0) + GROWTH_ROWS
 
 
 def kv_geometry(config) -> Optional[Tuple[int, int, int]]:
@@ -41,18 +54,31 @@ class PreallocatedKVCache(DynamicCache):
         kv_heads: key/value heads per layer.
         head_dim: size of one head.
         dtype: dtype of keys/values (the model's).
-        capacity: rows to allocate up front (e.g. prompt + ``max_new_tokens``); grows on demand.
+        capacity: rows (tokens) to allocate up front; grows on demand (:meth:`reserve`). ``generate()`` passes
+            :func:`first_capacity` (the prompt and :data:`GROWTH_ROWS`), not prompt + ``max_new_tokens``.
+        growth_rows: rows the first growth adds at least (each later one adds twice the rows of the one before);
+            None: ``capacity`` (the cache doubles).
+        growth_limit: rows a growth adds no more than it needs past (e.g. the most rows a generation can hold:
+            prompt + ``max_new_tokens`` - 1); None: no limit. A :meth:`reserve` of more rows still gets them.
+
+    Memory: ``2 * num_layers`` buffers of ``batch_size * kv_heads * capacity * head_dim`` elements of ``dtype``.
     """
 
     is_compileable = False
 
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, capacity: int = 256):
+                 dtype: torch.dtype = torch.float32, capacity: int = 256, growth_rows: Optional[int] = None,
+                 growth_limit: Optional[int] = None):
         super().__init__()
         self.num_layers = num_layers
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.length = 0
-        shape = (batch_size, kv_heads, max(int(capacity), 1), head_dim)
+        capacity = max(int(capacity), 1)
+        #: rows the next growth adds at least (doubles after each growth)
+        self.growth_rows = max(int(growth_rows), 1) if growth_rows is not None else capacity
+        #: rows past which a growth adds only what a reserve needs (None: no limit)
+        self.growth_limit = growth_limit
+        shape = (batch_size, kv_heads, capacity, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
 
@@ -66,10 +92,16 @@ class PreallocatedKVCache(DynamicCache):
 
     # -- what the decoder calls -------------------------------------------------------------------
     def reserve(self, total: int) -> None:
-        """Make room for ``total`` rows (doubling), keeping the first :attr:`length` rows."""
+        """Make room for ``total`` rows, keeping the first :attr:`length` rows: the capacity grows by
+        :attr:`growth_rows` (then doubled for the next growth), at most to :attr:`growth_limit`, and at least to
+        ``total``."""
         if total <= self.capacity:
             return
-        new_capacity = max(total, 2 * self.capacity)
+        step = self.capacity + self.growth_rows
+        if self.growth_limit is not None:
+            step = min(step, self.growth_limit)
+        new_capacity = max(total, step)
+        self.growth_rows *= 2
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 grown = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])

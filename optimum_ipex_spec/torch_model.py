@@ -223,8 +223,11 @@ class TorchCausalLMDecoder(torch.nn.Module):
         return (type(model).__name__ in SUPPORTED_ARCHITECTURES and hasattr(getattr(model, "model", None), "rotary_emb")
                 and len(set(layer_windows(model))) == 1)
 
-    def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype) -> PreallocatedKVCache:
-        return PreallocatedKVCache(self.num_layers, batch_size, self.kv_heads, self.head_dim, dtype, capacity)
+    def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype, **growth) -> PreallocatedKVCache:
+        """An empty cache of this model's geometry; ``growth``: ``growth_rows`` / ``growth_limit`` of
+        :class:`PreallocatedKVCache`."""
+        return PreallocatedKVCache(self.num_layers, batch_size, self.kv_heads, self.head_dim, dtype, capacity,
+                                   **growth)
 
     def _mask(self, attention_mask: torch.Tensor, past: int, q: int, unpadded: bool) -> Optional[torch.Tensor]:
         """Boolean ``[batch, 1, q, past + q]`` (True = attend), or None when SDPA needs none: one unpadded token

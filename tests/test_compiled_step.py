@@ -314,6 +314,104 @@ def test_the_exact_attention_length_refuses_a_cache_without_its_free_row():
         compiled_step.exact_attention_length(16, 16)
 
 
+@pytest.mark.parametrize("rows, padded", [(1, 4), (2, 4), (3, 4), (4, 4), (5, 8), (7, 8), (8, 8), (12, 12),
+                                          (33, 36), (36, 36)])
+def test_the_exact_graphs_hand_sdpa_query_rows_in_fours(rows, padded):
+    assert compiled_step.attention_query_rows(rows) == padded
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_sdpa_gives_a_token_the_same_bits_in_the_1_token_and_the_4_token_graphs_query_rows(kv_heads, threads):
+    """What the exact fp32 graphs rely on, checked on this machine's kernel (the one the graphs call): a token's query
+    rows (one per head of a key/value group) get the same bits from SDPA's CPU kernel in the 1-token graph's call
+    (``group`` rows, padded by :func:`attention_query_rows`) as among the 4-token graph's ``4 * group`` rows, for 1-8
+    query heads per key/value head. Found on an AMD EPYC Zen 4 (torch 2.13, MKL 2024.2; issue 46): unpadded, 1-3 rows
+    rounded otherwise than 4 or more, and with one key/value head on 2 threads 5-7 rows too."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for group in range(1, 9):
+            _check_query_rows(group, kv_heads)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_the_load_time_probe_tells_a_kernel_that_rounds_few_query_rows_otherwise(monkeypatch):
+    """:func:`attention_rows_round_alike` (whether the exact graphs pad their query rows) is False where SDPA gives a
+    token's rows other bits alone than among 4 tokens' (simulated: fewer than 4 rows nudged by one part in a
+    million), True where it gives them the same (simulated: each row computed alone, then in any call alike)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def few_rows_otherwise(query, *args, **kwargs):
+        out = sdpa(query, *args, **kwargs)
+        return out * (1 + 1e-6) if query.shape[2] < 4 else out
+
+    def row_by_row(query, key, value, attn_mask, scale):
+        mask = attn_mask.expand(1, 1, query.shape[2], -1)
+        return torch.cat([sdpa(query[:, :, r:r + 1], key, value, attn_mask=mask[:, :, r:r + 1], scale=scale)
+                          for r in range(query.shape[2])], dim=2)
+
+    monkeypatch.setattr(compiled_step.F, "scaled_dot_product_attention", few_rows_otherwise)
+    assert not compiled_step.attention_rows_round_alike(3, 3, 64)
+    assert compiled_step.attention_rows_round_alike(2, 4, 16)
+    monkeypatch.setattr(compiled_step.F, "scaled_dot_product_attention", row_by_row)
+    assert all(compiled_step.attention_rows_round_alike(kv, group, 16) for kv, group in ((1, 1), (2, 2), (3, 3)))
+
+
+def _check_query_rows(group: int, kv_heads: int) -> None:
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    chunk_rows, dim, keys = compiled_step.CHUNK_ROWS, 64, 15
+    gen = torch.Generator().manual_seed(group)
+    query = torch.randn(1, kv_heads, group, chunk_rows, dim, generator=gen)  # [.., head of the group, token, ..]
+    key, value = torch.randn(2, 1, kv_heads, keys, dim, generator=gen)
+    allowed = torch.arange(keys)[None, :] <= torch.arange(chunk_rows)[:, None] + 6  # token t sees keys 0 .. t + 6
+    bias = torch.zeros(chunk_rows, keys).masked_fill(~allowed, float("-inf"))
+    chunk = op(query.reshape(1, kv_heads, group * chunk_rows, dim), key, value, 0.0, False,
+               attn_mask=bias[None].expand(group, -1, -1).reshape(1, 1, group * chunk_rows, keys),
+               scale=dim ** -0.5)[0].reshape(1, kv_heads, group, chunk_rows, dim)
+    rows = compiled_step.attention_query_rows(group)
+    for token in range(chunk_rows):
+        alone = query[:, :, :, token].contiguous()  # as the graph hands it (the kernel's bits depend on strides too)
+        if rows > group:  # as the graph pads
+            alone = torch.cat([alone, alone[:, :, -1:].expand(1, kv_heads, rows - group, dim)], dim=2)
+        out = op(alone, key, value, 0.0, False, attn_mask=bias[token].expand(1, 1, rows, keys).contiguous(),
+                 scale=dim ** -0.5)[0][:, :, :group]
+        assert torch.equal(out, chunk[:, :, :, token]), f"{group} query heads per key/value head, token {token}"
+
+
+def test_a_compiled_fp32_target_with_one_query_head_per_kv_head_verifies_4_tokens_per_call():
+    """Multi-head attention (1 query head per key/value head; SmolLM2 has 3, the other test models 2): unpadded, the
+    1-token graph handed SDPA 1 query row per key/value head, which rounded otherwise than the 4-token graph's 4 on an
+    AMD EPYC Zen 4, so the check at its compile set ``chunk_exact`` False and chunks ran one token per call (issue 46).
+    Padded to 4 (:func:`attention_query_rows`), the 4-token graph verifies, and prompt lookup returns plain greedy
+    decoding's tokens and logits bit for bit."""
+    target = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama-mha", vocab_size=512), backend="torch",
+                                                          torch_compile=True)
+    step = target.runner.step
+    # padded where this machine's kernel needs it (on the AMD EPYC it does), decided at load
+    assert step is not None and step.module.pad_query_rows == (not compiled_step.attention_rows_round_alike(4, 1, 16))
+    assert target.compile_chunk_step() and step.chunk_exact is True
+    assert target.runner.verify_rows == compiled_step.CHUNK_ROWS
+    rows = []
+    run = step._run
+    step._run = lambda tokens, position, cache, graph_rows, *args: rows.append(graph_rows) or run(
+        tokens, position, cache, graph_rows, *args)
+    torch.manual_seed(2)
+    ids = torch.randint(3, 512, (1, 10))
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)
+    first = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs).sequences
+    prompt = torch.cat([first, ids], dim=1)  # lookup finds the prompt's end earlier in it: it proposes at once
+    plain = target.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+    rows.clear()
+    got = target.generate(prompt, attention_mask=torch.ones_like(prompt), prompt_lookup_num_tokens=3,
+                          num_assistant_tokens_schedule="constant", **kwargs)
+    assert compiled_step.CHUNK_ROWS in rows  # verification ran on the 4-token graph
+    assert torch.equal(got.sequences, plain.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, plain.logits))
+
+
 @pytest.mark.parametrize("tokens, exact, capacity", [
     (21, True, 25), (509, True, 513),  # the last call's 3 padding rows and the free row
     (510, True, 1025), (1200, True, 1537),  # past one block: whole blocks of 512 and the free row

@@ -22,6 +22,21 @@ def whole_call_arguments(kwargs) -> list:
     return [name for name in WHOLE_CALL_ARGUMENTS if kwargs.get(name) is not None and kwargs.get(name) is not False]
 
 
+#: ``generate()`` arguments that ask the forward for every layer's outputs at every position (transformers' names)
+LAYER_OUTPUT_ARGUMENTS = ("output_hidden_states", "output_attentions")
+
+
+def requested_layer_outputs(kwargs, generation_config) -> list:
+    """The names among :data:`LAYER_OUTPUT_ARGUMENTS` that a ``generate()`` call asks for: a true value passed in
+    ``kwargs``, else set on ``generation_config`` (the one passed to the call, else the model's)."""
+    return [name for name in LAYER_OUTPUT_ARGUMENTS
+            if (kwargs[name] if name in kwargs else getattr(generation_config, name, None))]
+
+
+#: integer dtypes of token ids that the embedding lookups take (int64 is what tokenizers return)
+TOKEN_ID_DTYPES = (torch.int64, torch.int32)
+
+
 class Runner:
     """One runtime for a causal LM's forward.
 
@@ -31,12 +46,17 @@ class Runner:
         can_draft: whether :class:`~optimum_ipex_spec.candidates.IPEXDraftCandidateGenerator` can drive it as a
             draft (it keeps its own cache between rounds).
         uses_transformers_cache: whether transformers' own ``DynamicCache`` is its cache (eager forward).
+        vocab_size: token ids must be in ``0 .. vocab_size - 1``.
+        token_id_dtypes: the integer dtypes of token ids its forward takes.
         verify_rows: the most tokens one forward call verifies when they come in a fixed-size graph (a compiled step:
             ``k`` draft tokens cost ``ceil((k + 1) / verify_rows)`` calls), or None (any number in one call, at a
             cost that grows with it).
     """
 
     backend = "torch"
+    #: the vocabulary size (token ids must be below it) and the dtypes of ids its forward takes
+    vocab_size: int
+    token_id_dtypes: tuple = TOKEN_ID_DTYPES
     supports_beam_search = True
     can_draft = False
     uses_transformers_cache = False
@@ -59,6 +79,17 @@ class Runner:
         ``use_cache=False``). ``transformers_args`` are transformers' own arguments, for the eager runner."""
         raise NotImplementedError
 
+    def layer_outputs_runner(self, names) -> "Runner":
+        """The runner that serves a ``generate()`` call asking for ``names`` (among :data:`LAYER_OUTPUT_ARGUMENTS`),
+        with its own cache from start to end: this one where its forward returns them (transformers' forward, by
+        default), else transformers' forward over the same weights.
+
+        Raises:
+            ValueError: no runtime of this model returns them (IPEX's fused graph, int8 weights); the message names
+                the argument and the fix.
+        """
+        return self
+
     def warmup(self) -> None:
         """Prepare the runtime for the first user call (compile, specialize); no-op by default."""
 
@@ -66,6 +97,35 @@ class Runner:
         """Compile the graph that runs chunks of tokens on a non-empty cache now rather than at the first chunk;
         True when this runtime has such a graph and it is ready. False by default (nothing compiled lazily)."""
         return False
+
+
+def check_token_ids(input_ids, vocab_size: int, dtypes=TOKEN_ID_DTYPES, what: str = "input_ids") -> None:
+    """Refuse token ids that a forward would fail on deep inside a kernel (or read as something else).
+
+    Args:
+        input_ids: token ids, ``[batch, q]`` of one of ``dtypes``.
+        vocab_size: ids must be in ``0 .. vocab_size - 1``.
+        dtypes: the integer dtypes accepted (the IPEX graphs were traced with int64 only).
+        what: the argument's name in the messages.
+
+    Raises:
+        TypeError: not a tensor, or a dtype outside ``dtypes`` (e.g. uint8, a float or a bool tensor).
+        ValueError: not 2-D, empty, or ids outside the vocabulary.
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"{what} must be a torch tensor of token ids [batch, sequence], got {type(input_ids).__name__}")
+    if input_ids.dtype not in dtypes:
+        names = " or ".join(str(dtype).replace("torch.", "") for dtype in dtypes)
+        got = str(input_ids.dtype).replace("torch.", "")
+        raise TypeError(f"{what} must hold integer token ids ({names}), got {got}: convert them with {what}.long()")
+    if input_ids.dim() != 2:
+        raise ValueError(f"{what} must be a 2-D tensor [batch, sequence], got shape {tuple(input_ids.shape)}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"{what} is empty (shape {tuple(input_ids.shape)}); pass at least one token")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size}) for this model (its vocabulary size); {what} holds "
+                         f"values in [{low}, {high}]: encode the text with this model's tokenizer")
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

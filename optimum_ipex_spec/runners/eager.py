@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..compat import cache_kwarg, static_caches_refuse_assisted
 from ..dense_weights import use_dense_kernels
-from .base import Runner
+from .base import Runner, check_token_ids
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -30,9 +30,14 @@ class EagerRunner(Runner):
 
     def __init__(self, model):
         self.model = model
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         use_dense_kernels(model)  # its output head: verification chunks on the fast kernels (dense_weights.py)
 
     def forward(self, input_ids, attention_mask, cache, position_ids, use_cache, kwargs):
+        """transformers' forward. Raises TypeError / ValueError for ids of another dtype or outside the vocabulary
+        (:func:`~optimum_ipex_spec.runners.base.check_token_ids`), not an ``IndexError`` from the embedding."""
+        if input_ids is not None or kwargs.get("inputs_embeds") is None:
+            check_token_ids(input_ids, self.vocab_size)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=use_cache, return_dict=True, **{cache_kwarg(): cache}, **kwargs)
 

@@ -25,7 +25,7 @@ import torch
 
 from ..cache import IPEXFusedCache
 from ..torch_model import kept_positions
-from .base import Runner, causal_lm_loss, mask_and_positions, output, passed_to_forward
+from .base import Runner, causal_lm_loss, check_token_ids, mask_and_positions, output, passed_to_forward
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -48,6 +48,13 @@ PADDED_STEP_ROWS = 4
 PADDED_STEP_GAIN = 0.93
 
 
+def _unavailable(name: str) -> str:
+    """The message for ``name`` (``output_hidden_states`` / ``output_attentions``) asked of the IPEX backend."""
+    return (f"{name}=True is not available on the IPEX backend (the fused graph does not return them); load with "
+            "backend='torch' to get them (IPEXModelForCausalLM.from_pretrained(checkpoint, export=True, "
+            "backend='torch'))")
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     logger.warning(message)
@@ -64,6 +71,7 @@ class IPEXGraphRunner(Runner):
     """
 
     backend = "ipex"
+    token_id_dtypes = (torch.int64,)  # the graphs were traced with int64 ids
     supports_beam_search = False
     can_draft = True
 
@@ -97,8 +105,7 @@ class IPEXGraphRunner(Runner):
         logits_to_keep = kwargs.pop("logits_to_keep", 0)  # the traced graph computes every position; sliced after
         for unsupported in ("output_attentions", "output_hidden_states"):
             if kwargs.get(unsupported):
-                raise ValueError(f"{unsupported}=True is not available on the IPEX backend (the fused graph does not "
-                                 "return them); load with backend='torch' to get them")
+                raise ValueError(_unavailable(unsupported))
         cache = self._checked_cache(input_ids, cache)
         batch, q = input_ids.shape
         past = cache.get_seq_length()
@@ -116,6 +123,12 @@ class IPEXGraphRunner(Runner):
         logits = self._run_graph(graph, input_ids, attention_mask, cache, position_ids)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         return output(kept_positions(logits, logits_to_keep), cache, use_cache, loss=loss)
+
+    def layer_outputs_runner(self, names):
+        """Raises:
+            ValueError: always: the fused graph returns logits and the cache only (``generate()`` refuses before
+                anything runs; a draft's nested call gets none of them asked)."""
+        raise ValueError(_unavailable(names[0]))
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> IPEXFusedCache:
         """An empty :class:`~optimum_ipex_spec.cache.IPEXFusedCache` (IPEX grows it itself: ``capacity`` unused)."""
@@ -164,16 +177,8 @@ class IPEXGraphRunner(Runner):
                 self.choose_step_rows(out.past_key_values)
 
     def _checked_cache(self, input_ids, cache) -> IPEXFusedCache:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError("input_ids must be a 2-D tensor [batch, sequence]")
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+        check_token_ids(input_ids, self.vocab_size, dtypes=self.token_id_dtypes)
         batch, q = input_ids.shape
-        if batch == 0 or q == 0:
-            raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); pass at least one token")
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}) for this model; got values in [{low}, {high}]")
         if cache is None:
             cache = self.new_cache(batch)
         if not isinstance(cache, IPEXFusedCache):

@@ -12,9 +12,9 @@ import torch
 from ..compat import cache_kwarg, prepare_cache_capacity
 from ..compiled_step import CHUNK_ROWS, CompiledDecodeStep
 from ..packed_gemm import packed_amx_available
-from ..torch_cache import PreallocatedKVCache
+from ..torch_cache import GROWTH_ROWS, PreallocatedKVCache, first_capacity
 from ..torch_model import TorchCausalLMDecoder
-from .base import Runner, mask_and_positions, output, passed_to_forward, whole_call_arguments
+from .base import Runner, check_token_ids, mask_and_positions, output, passed_to_forward, whole_call_arguments
 from .eager import EagerRunner
 
 
@@ -29,6 +29,8 @@ class TorchDecoderRunner(Runner):
     can_draft = True
 
     def __init__(self, model, dtype, weights: str = "dense", torch_compile: bool = False):
+        #: rows of the embedding table: token ids must be below it
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.decoder = TorchCausalLMDecoder(model, weights=weights)
         # int8: the model's own projection weights are gone, so transformers' forward cannot run it
         self.eager = EagerRunner(model) if weights == "dense" else None
@@ -72,6 +74,13 @@ class TorchDecoderRunner(Runner):
                              "by our decoder) cannot run; use a dense model (weights='dense') for it")
         return self.eager
 
+    def layer_outputs_runner(self, names) -> EagerRunner:
+        """transformers' forward over the model's weights, with transformers' cache (the decoder returns logits only).
+
+        Raises:
+            ValueError: a model with int8 weights (no transformers forward to run)."""
+        return self._eager(", ".join(f"{name}=True" for name in names))
+
     def serves(self, cache, kwargs=None) -> bool:
         """True when the decoder (not transformers' forward) runs a call with this cache and these arguments."""
         if cache is not None and not isinstance(cache, PreallocatedKVCache):
@@ -80,13 +89,20 @@ class TorchDecoderRunner(Runner):
 
     def forward(self, input_ids, attention_mask, cache, position_ids, use_cache, kwargs):
         """Raises:
-            ValueError: empty or non-2-D ``input_ids``; a non-empty cache of another batch size."""
+            TypeError: ``input_ids`` not int64/int32 (:func:`~optimum_ipex_spec.runners.base.check_token_ids`).
+            ValueError: empty or non-2-D ``input_ids``, ids outside the vocabulary; a non-empty cache of another
+                batch size; arguments that need transformers' forward (``output_hidden_states``,
+                ``output_attentions``, ``labels``, ...) with a ``PreallocatedKVCache``
+                (:func:`preallocated_cache_refused`) or on a model with int8 weights."""
+        if input_ids is not None or kwargs.get("inputs_embeds") is None:
+            check_token_ids(input_ids, self.vocab_size)
         if not self.serves(cache, kwargs):
             what = "a transformers cache" if cache is not None and not isinstance(cache, PreallocatedKVCache) else (
                 ", ".join(whole_call_arguments(kwargs or {})))
-            return self._eager(what).forward(input_ids, attention_mask, cache, position_ids, use_cache, kwargs)
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
-            raise ValueError("input_ids must be a non-empty 2-D tensor [batch, sequence]")
+            eager = self._eager(what)
+            if isinstance(cache, PreallocatedKVCache):  # transformers' forward would see none of its tokens
+                raise ValueError(preallocated_cache_refused(whole_call_arguments(kwargs)))
+            return eager.forward(input_ids, attention_mask, cache, position_ids, use_cache, kwargs)
         batch, q = input_ids.shape
         if cache is None:
             cache = self.new_cache(batch, q)
@@ -125,13 +141,38 @@ class TorchDecoderRunner(Runner):
     def prepare_cache_for_generation(self, generation_config, model_kwargs, rows, transformers_args):
         if model_kwargs.get(cache_kwarg()) is not None or generation_config.use_cache is False:
             return
-        # transformers_args: (assistant_model | generation_mode, batch_size, max_cache_length, ...)
-        capacity = prepare_cache_capacity(transformers_args[2:])
+        # transformers_args: (assistant_model | generation_mode, batch_size, max_cache_length, ...); max_cache_length
+        # is prompt + max_new_tokens - 1, the most rows the generation can hold: the growth limit, not the allocation
+        # (the cache starts at the prompt and a few rows and grows with the tokens generated)
+        tokens = prepare_cache_capacity(transformers_args[2:])
+        capacity, limit = first_capacity(_prompt_rows(generation_config, model_kwargs)), tokens
         if self.step is not None:
             # room for the compiled graphs' last call (its padding rows, the row they keep free, and in fp32 its
-            # rounded-up attention length): the capacity then never grows inside a generate(). In the exact fp32
-            # graph it must not: attention reads the whole capacity while that is short, and the kernel's rounding
+            # rounded-up attention length). In the exact fp32 graph a short generation's capacity must not grow
+            # inside a generate(): attention reads the whole capacity while that is short, and the kernel's rounding
             # depends on the rows it reads (masked ones included), so a token decoded after a growth and the same
-            # token verified in a chunk before it would differ in their last bits
-            capacity = self.step.generation_capacity(capacity)
-        model_kwargs[cache_kwarg()] = self.new_cache(rows, capacity)
+            # token verified in a chunk before it would differ in their last bits; a long one reads whole blocks of
+            # the filled rows, whatever the capacity (CompiledDecodeStep.generation_capacities)
+            capacity, limit = self.step.generation_capacities(capacity, tokens)
+        model_kwargs[cache_kwarg()] = self.decoder.new_cache(rows, capacity, self.dtype, growth_rows=GROWTH_ROWS,
+                                                            growth_limit=limit)
+
+
+def _prompt_rows(generation_config, model_kwargs):
+    """The prompt's length (padding included) at ``_prepare_cache_for_generation``: the attention mask's (transformers
+    4.x; 5.x drops a mask of ones), the position ids' (5.x), else ``max_length - max_new_tokens``; None if unknown."""
+    for name in ("attention_mask", "position_ids"):
+        value = model_kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() == 2:
+            return value.shape[-1]
+    max_new, max_length = generation_config.max_new_tokens, generation_config.max_length
+    return max_length - max_new if max_new is not None and max_length is not None else None
+
+
+def preallocated_cache_refused(names) -> str:
+    """The message for forward arguments ``names`` that need transformers' forward (hidden states, attentions, a
+    loss, ...) given together with our :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache`: transformers'
+    forward would read none of its tokens and write its own past them."""
+    return (f"{', '.join(names)} run(s) transformers' own forward, which cannot read or extend a PreallocatedKVCache "
+            "(the pure-PyTorch decoder's cache): pass no cache (forward() and generate() then use transformers' "
+            "DynamicCache and return it) or a transformers DynamicCache")
