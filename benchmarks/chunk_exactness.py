@@ -145,7 +145,8 @@ def time_steps(what: str, context: int, rounds: int) -> None:
                     caches[padding].crop(context)
     for padding in (False, True):
         step = steps[padding]
-        print(f"| {what} | {'yes' if step.module.pad_query_rows else 'no'} | {step.chunk_exact} | "
+        padded = padding and step.module.pad_query_rows  # the unpadded step was traced with the padding off
+        print(f"| {what} | {'yes' if padded else 'no'} | {step.chunk_exact} | "
               f"{1 if step.chunk_exact is False else compiled_step.CHUNK_ROWS} | "
               f"{statistics.median(times[padding, 1]):.3f} | {statistics.median(times[padding, 4]):.3f} |",
               flush=True)

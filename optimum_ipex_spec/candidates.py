@@ -458,7 +458,7 @@ class StoppingCriteriaAwareCandidates:
 
     def get_candidates(self, input_ids: torch.LongTensor):
         result = self.generator.get_candidates(input_ids)
-        if not isinstance(result, tuple) or len(result) != 2:
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
             raise ValueError(f"candidate_generator.get_candidates() must return a pair (candidate_ids, logits or "
                              f"None), got {type(result).__name__}")
         candidates, logits = result

@@ -15,8 +15,8 @@ runs in pieces, the last one padded (its last token repeated at the next rows, w
 graph is compiled for its own static row count. In fp32 a token's logits must be the same bits whether it is decoded
 alone or verified in a chunk, so that speculative decoding and prompt lookup return exactly the target's own greedy
 tokens (tests/test_compiled_step.py): with Inductor's C++ GEMM templates alone (torch >= 2.13) the two graphs reduce
-each row alike (measured on SmolLM2, every row of chunks of 1-4 tokens equal bit for bit; on an AMD EPYC only since
-the 1-token graph hands SDPA's kernel query rows in fours there, :data:`ATTENTION_ROW_MULTIPLE`), and the chunk
+each row alike (every row of chunks of 1-4 tokens equal bit for bit, where the kernel needs it with the 1-token
+graph handing SDPA's kernel query rows in fours, :data:`ATTENTION_ROW_MULTIPLE`), and the chunk
 graph is checked against the 1-token graph when it compiles (:meth:`CompiledDecodeStep.compile_chunk`; where they
 differ, chunks run one token at a time on the 1-token graph, logged). Where the autotuner also offers ATen's kernels
 (MKL's one-row and few-row products round differently) a single fp32 token runs padded on the chunk graph instead, one
@@ -119,16 +119,13 @@ GEMM_BACKENDS_BEFORE_CPP_ONLY = "ATEN,CPP"
 ATTENTION_BLOCK = 512
 
 #: the exact fp32 graphs hand SDPA's CPU kernel a multiple of this many query rows per key/value head. The kernel
-#: splits the query rows (one per head of a key/value group and token) into blocks of 32 (64 or 256 from 192 or 768
-#: rows) and multiplies each with MKL's sgemm, which on an AMD EPYC Zen 4 (torch 2.13, MKL 2024.2) rounds a product of
-#: 1-3 rows otherwise than the same rows among 4 or more (plain ``torch.mm`` too), and where the kernel has one block
-#: to run (one key/value head) lets MKL split its rows between threads, 5-7 rows then into pieces that round
-#: otherwise too (2 or 8 threads): a 1-token graph with 1-3 query heads per key/value head (SmolLM2: 3; the hidden-64
-#: test models: 2) differed from the 4-token graph, whose blocks hold 4 rows per head, and its check turned
-#: verification off. Rows padded to a multiple of 4 (copies of the last one, :func:`attention_query_rows`) gave every
-#: row the same bits in both graphs at 1-8 threads; the exact graphs pad where :func:`attention_rows_round_alike`
-#: finds the kernel needs it, at load (the padding costs an extra copy per layer: tests/test_compiled_step.py checks
-#: the kernel on the machine that runs it; benchmarks/chunk_exactness.py, docs/assisted-generation.md)
+#: multiplies blocks of query rows (one per head of a key/value group and token) with a BLAS GEMM, and a BLAS may round
+#: a product of a few rows otherwise than the same rows among more (or split few rows between threads otherwise): a
+#: 1-token graph with 1-3 query heads per key/value head would then differ from the 4-token graph, whose blocks hold
+#: 4 rows per head, and the chunk check would turn verification off. Rows padded to a multiple of 4 (copies of the
+#: last one, :func:`attention_query_rows`) round alike in both graphs; the exact graphs pad where
+#: :func:`attention_rows_round_alike` finds at load that the kernel needs it. Where and why this was seen, and what
+#: it costs: docs/assisted-generation.md ("Attention's query rows"), benchmarks/chunk_exactness.py
 ATTENTION_ROW_MULTIPLE = 4
 
 #: the oldest torch whose Inductor has the CPU AMX bf16 GEMM template the step relies on
@@ -210,7 +207,7 @@ def attention_rows_round_alike(kv_heads: int, group: int, head_dim: int) -> bool
     key/value head the same bits alone (the 1-token graph's call, unpadded) as among :data:`CHUNK_ROWS` tokens' (the
     4-token graph's): the exact fp32 graphs pad their rows (:func:`attention_query_rows`) only where it does not. The
     kernel's rounding is a matter of its code path (MKL's for a few rows, its split between threads), not of the
-    values: seeded random ones at the model's geometry, a few milliseconds. The 4-token graph's compile still checks
+    values: seeded random ones at the model's geometry. The 4-token graph's compile still checks
     the whole graphs (:meth:`CompiledDecodeStep.compile_chunk`)."""
     gen = torch.Generator().manual_seed(0)
     tokens, keys = CHUNK_ROWS, 15

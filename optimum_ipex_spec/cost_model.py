@@ -210,7 +210,7 @@ class CostModel:
             the same target and draft): the model then measures nothing (``times_frozen``), so its lengths depend
             only on its plan, these times and the acceptance seen in the call. Sampling uses it: the length of a round
             decides how many random numbers a round draws, so lengths chosen on wall-clock times would give another
-            output for the same seed (:func:`frozen_times_for_sampling`).
+            output for the same seed (:class:`SamplingTimes`).
         on_first_choice: called with :meth:`time_tables` when the model makes its first choice from measurements
             (its plan is done), after which it measures nothing more (``times_frozen``); None: measure to the end.
 
@@ -685,4 +685,10 @@ class SamplingTimes:
                 table.setdefault(key, measured)  # two first calls at once: the first to choose wins
 
         return CostModel(**settings, on_first_choice=keep)
+
+    def clear(self) -> None:
+        """Forget every kept time: the next sampling call with each draft measures again."""
+        with self._lock:
+            self._by_draft.clear()
+            self._lookup.clear()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import functools
 import logging
 import os
@@ -58,7 +59,7 @@ from .facts import (
     resolve_dtype,
     WEIGHT_FORMATS,
 )
-from .limits import fit_to_positions
+from .limits import call_input_ids, fit_to_positions
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
 from .runners.base import check_token_ids, requested_layer_outputs, whole_call_arguments
@@ -323,6 +324,14 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         return self.runner.new_cache(batch_size, capacity)
 
+    def reset_sampling_times(self) -> None:
+        """Forget the round times that this target's sampling calls with a draft or prompt lookup decide their draft
+        lengths on (measured once per draft by the first such call, so that a seed gives the same output on every
+        call: :class:`~optimum_ipex_spec.cost_model.SamplingTimes`); the next sampling call measures them again. For
+        after a change of thread count or machine load, or a first call that ran slowed down (its lengths then stay
+        short, or off, for every later call). Outputs of seeded calls before and after may differ."""
+        self._sampling_times.clear()
+
     def compile_chunk_step(self) -> bool:
         """With ``torch_compile=True``: compile the 4-token graph now (tens of seconds; 40-100 s for a 0.5B model),
         not inside the first ``generate()`` that needs it. That graph runs chunks of tokens on a non-empty cache: a
@@ -502,7 +511,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self._check_generation_mode(generation_config, args, kwargs, candidate_generator)
         self._check_call_inputs(args, kwargs)
         if current_request() is None:  # the target's positions (a draft's nested call asks for what fits the target's)
-            fit_to_positions(self.config, generation_config, args, kwargs)
+            fit_to_positions(self.config, generation_config, args, kwargs,
+                             fixed_rotary_tables=self.backend == "ipex")
         draft_overrides = assisted_arguments(kwargs, candidate_generator)
         assistant = kwargs.get("assistant_model")
         if assistant is not None:
@@ -603,7 +613,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             ValueError: ids outside the vocabulary; an encoder-decoder ``assistant_model`` (T5, Whisper, BART): its
                 proposals would not be next tokens of the target's own sequence.
         """
-        inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        inputs = call_input_ids(args, kwargs)
         if isinstance(inputs, torch.Tensor):
             check_token_ids(inputs, self.runner.vocab_size, dtypes=self.runner.token_id_dtypes)
         assistant = kwargs.get("assistant_model")
@@ -652,7 +662,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                        or kwargs.get("prompt_lookup_num_tokens") is not None)
         if not speculative:
             return
-        inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        inputs = call_input_ids(args, kwargs)
         batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 1
         if batch > 1:
             raise ValueError(
@@ -1038,8 +1048,6 @@ def check_from_pretrained_keywords(kwargs: Dict[str, Any]) -> None:
         ValueError: ``device_map`` other than None, ``"cpu"`` or a map of every module to the CPU; ``device``
             other than the CPU.
     """
-    import difflib
-
     unknown = [name for name in kwargs if name not in FROM_PRETRAINED_KEYWORDS]
     if unknown:
         hints = []

@@ -93,12 +93,13 @@ class PreallocatedKVCache(DynamicCache):
     # -- what the decoder calls -------------------------------------------------------------------
     def reserve(self, total: int) -> None:
         """Make room for ``total`` rows, keeping the first :attr:`length` rows: the capacity grows by
-        :attr:`growth_rows` (then doubled for the next growth), at most to :attr:`growth_limit`, and at least to
-        ``total``."""
+        :attr:`growth_rows` (then doubled for the next growth), at least to ``total``; below :attr:`growth_limit` at
+        most to it, past it (a cache continued by a later call) by :attr:`growth_rows` again, so that one row at a
+        time never copies the cache per token."""
         if total <= self.capacity:
             return
         step = self.capacity + self.growth_rows
-        if self.growth_limit is not None:
+        if self.growth_limit is not None and self.capacity < self.growth_limit:
             step = min(step, self.growth_limit)
         new_capacity = max(total, step)
         self.growth_rows *= 2

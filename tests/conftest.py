@@ -72,6 +72,20 @@ def build_tiny(arch: str, seed: int = 0, vocab_size: int = TINY_VOCAB, layers: i
     return model.eval()
 
 
+class FixedProposals:
+    """A user-written candidate generator (transformers' two-method interface) that proposes the same tokens every
+    round, right or wrong."""
+
+    def __init__(self, tokens):
+        self.tokens = torch.tensor([tokens])
+
+    def get_candidates(self, input_ids):
+        return torch.cat([input_ids, self.tokens], dim=1), None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+
 def exact_two_token_distributions(model, ids):
     """Target's exact distribution of the 1st token and the marginal of the 2nd token (temperature 1)."""
     with torch.no_grad():

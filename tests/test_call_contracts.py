@@ -121,8 +121,6 @@ def test_bad_ids_are_refused_by_name_on_every_backend(models, ids, error, match)
 def test_bad_ids_are_refused_on_the_compiled_and_eager_paths(tiny_dir):
     """Our decoder and transformers' forward (an architecture outside our decoder: GPT-2) name the problem."""
     models = [IPEXModelForCausalLM.from_transformers_model(build_tiny("gpt2"), backend="torch")]
-    from optimum_ipex_spec.compiled_step import check_torch_compile_flag  # noqa: F401  (the step's module imports)
-
     try:
         models.append(IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, backend="torch",
                                                            torch_compile=True))
@@ -256,3 +254,19 @@ def test_per_call_draft_arguments_reach_the_call(models):
             stats = draft.last_speculation_stats
             assert stats.rounds > 0 and stats.proposed <= tokens * stats.rounds
             assert stats.proposed > (tokens - 1) * stats.rounds
+
+
+def test_reset_sampling_times_measures_again(models):
+    """The times a sampling call decides on are measured by the first sampling call with a draft, kept, and measured
+    again after reset_sampling_times()."""
+    for _, target in _each_backend(models):
+        target.reset_sampling_times()
+        draft = _twin(target)
+        kwargs = dict(max_new_tokens=16, do_sample=True, top_k=50, assistant_model=draft)
+        target.generate(IDS, **kwargs)
+        assert target.last_cost_model.times is None and target.last_cost_model.times_frozen  # measured, then frozen
+        target.generate(IDS, **kwargs)
+        assert target.last_cost_model.times is not None  # decided on the kept times from its first round
+        target.reset_sampling_times()
+        target.generate(IDS, **kwargs)
+        assert target.last_cost_model.times is None

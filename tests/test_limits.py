@@ -9,6 +9,7 @@ generated rather than by ``max_new_tokens``.
   of the output, with or without speculative decoding.
 """
 
+import copy
 import inspect
 import logging
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, StoppingCriteria, StoppingCriteriaList
 
-from conftest import build_tiny
+from conftest import FixedProposals, build_tiny
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.torch_cache import GROWTH_ROWS, PreallocatedKVCache
 from optimum_ipex_spec.utils.import_utils import ipex_status
@@ -53,19 +54,6 @@ def _ours(kind: str, seed: int = 0) -> IPEXModelForCausalLM:
     return _MODELS[kind, seed]
 
 
-class _Fixed:
-    """A user-written candidate generator that proposes the same tokens every round."""
-
-    def __init__(self, tokens):
-        self.tokens = torch.tensor([tokens])
-
-    def get_candidates(self, input_ids):
-        return torch.cat([input_ids, self.tokens], dim=1), None
-
-    def update_candidate_strategy(self, input_ids, scores, num_matches):
-        pass
-
-
 def _strategy(name: str, kind: str) -> dict:
     if name == "draft":
         draft = _ours(kind, seed=1)
@@ -75,7 +63,7 @@ def _strategy(name: str, kind: str) -> dict:
     if name == "prompt lookup":
         return dict(prompt_lookup_num_tokens=3)
     if name == "candidate generator":
-        return dict(candidate_generator=_Fixed([7, 8, 9, 10]))
+        return dict(candidate_generator=FixedProposals([7, 8, 9, 10]))
     return {}
 
 
@@ -246,7 +234,7 @@ def test_a_cache_that_grows_inside_a_generation_changes_no_bit(prompt_tokens, mo
     want = stock.generate(ids, max_new_tokens=new, min_new_tokens=new, attention_mask=torch.ones_like(ids),
                           do_sample=False)
     # constant schedules: the same calls in both runs (the cost model's lengths follow measured times)
-    strategies = {"plain": {}, "candidate generator": dict(candidate_generator=_Fixed([7, 8, 9])),
+    strategies = {"plain": {}, "candidate generator": dict(candidate_generator=FixedProposals([7, 8, 9])),
                   "draft": dict(assistant_model=draft, num_assistant_tokens_schedule="constant"),
                   "prompt lookup": dict(prompt_lookup_num_tokens=3, num_assistant_tokens_schedule="constant")}
     growing = {}
@@ -274,11 +262,13 @@ def test_the_cache_grows_by_growing_steps_up_to_its_limit():
     cache.write(0, key, -key)
     cache.advance(10)
     capacities = []
-    for total in (11, 15, 23, 40):
+    for total in (11, 15, 23, 31, 32):
         cache.reserve(total)
         capacities.append(cache.capacity)
-    # + 4, + 8, then the limit (30), then a reserve past it gets what it asks
-    assert capacities == [14, 22, 30, 40]
+    # + 4, + 8, then the limit (30); past it (a cache continued by a later call) + 32 again, not a row at a time
+    assert capacities == [14, 22, 30, 62, 62]
+    cache.reserve(200)  # a reserve of more than a growth (+ 64 now) gets what it asks
+    assert cache.capacity == 200
     assert torch.equal(cache.keys[0][:, :, :10], key) and torch.equal(cache.values[0][:, :, :10], -key)
     doubling = PreallocatedKVCache(num_layers=1, batch_size=1, kv_heads=1, head_dim=2, capacity=8)
     for total, capacity in ((9, 16), (17, 32), (100, 100)):
@@ -317,8 +307,31 @@ def test_a_compiled_fp32_target_starts_a_long_generation_small_and_stays_exact(c
         for name, strategy in {"draft": dict(assistant_model=draft, num_assistant_tokens_schedule="constant"),
                                "prompt lookup": dict(prompt_lookup_num_tokens=3,
                                                      num_assistant_tokens_schedule="constant"),
-                               "candidate generator": dict(candidate_generator=_Fixed([7, 8, 9]))}.items():
+                               "candidate generator": dict(candidate_generator=FixedProposals([7, 8, 9]))}.items():
             got = target.generate(ids, **strategy, **kwargs)
             assert torch.equal(got.sequences, want), name
             differ = [i for i, (a, b) in enumerate(zip(got.logits, plain.logits)) if not torch.equal(a, b)]
             assert not differ, f"{name}: the logits of generated tokens {differ} differ from plain decoding's"
+
+
+def test_a_scaled_rotary_embedding_lifts_the_limit_except_where_the_tables_end():
+    """With rope_scaling (dynamic NTK, YaRN, ...) transformers' rotary embedding computes positions past
+    max_position_embeddings: the pure-PyTorch path generates past it as stock does; IPEX's rotary tables end there."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from optimum_ipex_spec.limits import max_positions
+
+    scaled = LlamaConfig(max_position_embeddings=POSITIONS, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert max_positions(LlamaConfig(max_position_embeddings=POSITIONS)) == POSITIONS
+    assert max_positions(scaled) is None and max_positions(scaled, fixed_rotary_tables=True) == POSITIONS
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=POSITIONS, rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        architectures=["LlamaForCausalLM"])).eval()
+    ours = IPEXModelForCausalLM.from_transformers_model(copy.deepcopy(stock), backend="torch")
+    ids = torch.arange(70).remainder(VOCAB - 3).add(3).unsqueeze(0)  # a prompt longer than the positions
+    want = stock.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert want.shape[1] == 76
+    assert torch.equal(ours.generate(ids, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(ids)),
+                       want)

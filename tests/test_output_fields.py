@@ -17,7 +17,6 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from conftest import TINY_VOCAB, build_tiny

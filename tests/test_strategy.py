@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from conftest import FixedProposals
 from optimum_ipex_spec.runners.ipex_graphs import IPEXGraphRunner
 from optimum_ipex_spec.strategy import GenerationRequest, Strategy, current_request, request_scope, select_strategy
 
@@ -76,17 +77,6 @@ def test_ipex_runner_routes_a_chunk_on_a_cache_to_the_verify_graph():
     assert legacy.graph_for(past=9, q=1, batch=1, unpadded=True) is decode
 
 
-class _Proposes:
-    def __init__(self, tokens):
-        self.tokens = torch.tensor([tokens])
-
-    def get_candidates(self, input_ids):
-        return torch.cat([input_ids, self.tokens], dim=1), None
-
-    def update_candidate_strategy(self, input_ids, scores, num_matches):
-        pass
-
-
 def test_the_strategy_that_ran_and_its_output(tiny_stock_target_draft):
     """Each way of asking for speculation runs the strategy the table says, with plain greedy's tokens."""
     stock, target, draft = tiny_stock_target_draft
@@ -96,7 +86,7 @@ def test_the_strategy_that_ran_and_its_output(tiny_stock_target_draft):
         (dict(assistant_model=draft), "draft"),
         (dict(assistant_model=stock), "transformers"),
         (dict(prompt_lookup_num_tokens=3), "prompt-lookup"),
-        (dict(candidate_generator=_Proposes([11, 12, 13])), "custom"),
+        (dict(candidate_generator=FixedProposals([11, 12, 13])), "custom"),
         (dict(), None),
     ]
     for arguments, strategy in calls:
