@@ -11,7 +11,7 @@ MARK = not slow
 endif
 NOX = $(shell scripts/ensure-tools.sh)/bin/nox
 
-.PHONY: help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-pair-compile bench-compile bench-openvino clean matrix matrix-report lanes
+.PHONY: bench-load help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-pair-compile bench-compile bench-openvino clean matrix matrix-report lanes
 
 help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
@@ -63,7 +63,15 @@ BENCH_OUT = docs/benchmarks$(if $(filter ipex28,$(LANE)),,-$(LANE))
 BENCH_ARGS ?= $(if $(filter ipex28,$(LANE)),,--only decode --prompts 3 --new-tokens 64)
 bench:
 	$(PY) benchmarks/bench.py --out $(BENCH_OUT).md --json $(BENCH_OUT).json $(BENCH_ARGS)
+	$(MAKE) --no-print-directory bench-load
 	$(if $(filter torch-current,$(LANE)),$(MAKE) --no-print-directory bench-compile)
+
+# load time of a saved export vs stock from_pretrained (issue 47), fresh processes, interleaved, medians: appended to
+# docs/benchmarks-load-<lane>.md (LOAD_ARGS, e.g. "--model qwen2.5-coder-1.5b-instruct --dtype float32 bfloat16")
+LOAD_ARGS ?= --model smollm2-135m-instruct --dtype float32 bfloat16 --rounds 3
+bench-load:
+	$(PY) benchmarks/load_time.py --backend torch $(if $(filter ipex28,$(LANE)),ipex) \
+		--out docs/benchmarks-load-$(LANE).md --json docs/benchmarks-load-$(LANE).jsonl $(LOAD_ARGS)
 
 # The Qwen2.5-Coder pair (issue 14): needs `make provision-qwen`. PAIR_ARGS, e.g. "--prompts 2 --new-tokens 64";
 # `make bench-pair LANE=torch-current` writes docs/benchmarks-qwen-pair-torch-current.md.

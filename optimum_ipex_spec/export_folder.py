@@ -1,6 +1,11 @@
 """Reading and writing an export folder's own files: ``ipex_export.json`` (what was exported, with which
-versions) and the IPEX graph archive. transformers' ``config.json`` / ``generation_config.json`` and a
-pure-PyTorch export's weights are written by transformers.
+versions, and the model facts the export was built for), the manifest (:mod:`~optimum_ipex_spec.manifest`), and the
+TorchScript archives of export formats 1 and 2. transformers' ``config.json`` / ``generation_config.json`` and the
+weights (safetensors, both backends, format 3) are written by transformers.
+
+A folder is untrusted input: format 3 holds data only, and loading checks it before reading it
+(:func:`check_export_folder`); the archives of formats 1 and 2 are TorchScript programs, loaded only when the caller
+passes ``trust_torchscript=True`` (docs/security.md).
 
 Every problem with a folder is a ``ValueError`` / ``FileNotFoundError`` naming the file and the fix
 (re-export from the original checkpoint).
@@ -8,12 +13,15 @@ Every problem with a folder is a ``ValueError`` / ``FileNotFoundError`` naming t
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 from typing import Optional
 
 from .compat import parse_version, same_ipex_release
 from .facts import (
+    DATA_ONLY_FORMAT_VERSION,
     EXPORT_CONFIG_NAME,
     EXPORT_DTYPES,
     EXPORT_FORMAT_VERSION,
@@ -21,6 +29,41 @@ from .facts import (
     IPEX_PIP_COMMAND,
     IPEX_VERIFY_GRAPH_NAME,
 )
+from .manifest import HashCheck, check_folder
+
+logger = logging.getLogger("optimum_ipex_spec")
+
+#: configuration fields an export records as it was built (``ipex_export.json``, "facts"); loading refuses a
+#: config.json that says otherwise: IPEX's rotary tables, the position guard and the vocabulary check are built
+#: from them
+RECORDED_CONFIG_FIELDS = ("vocab_size", "max_position_embeddings", "n_positions", "num_hidden_layers", "hidden_size",
+                          "num_attention_heads", "num_key_value_heads", "rope_theta", "rope_scaling")
+
+
+def check_save_target(target) -> None:
+    """Refuse a ``save_pretrained`` / CLI output that saving would wrongly replace: a file, a symbolic link (the
+    link would be replaced, or its target deleted), or a folder that holds anything but an export of ours (the
+    folder is replaced whole).
+
+    Raises:
+        ValueError: naming the path and the fix.
+    """
+    path = str(target)
+    if os.path.islink(path):
+        raise ValueError(f"{path} is a symbolic link; saving replaces the folder it names: pass the real folder "
+                         f"({os.path.realpath(path)}) or a new one")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} is a file; pass a folder to save the export into")
+    if os.path.isdir(path) and os.listdir(path) and not has_export(path):
+        raise ValueError(f"{path} is not empty and holds no export ({EXPORT_CONFIG_NAME} missing); saving replaces "
+                         "the whole folder: save into a new or empty folder, or remove its files first")
+
+
+@functools.lru_cache(maxsize=None)
+def log_unchecked_export_once(folder: str) -> None:
+    """Warn (once per folder) that a pure-PyTorch export of format 1/2 has no manifest to check it against."""
+    logger.warning("%s was saved before exports had a manifest: its files are not checked for damage (its weights "
+                   "are read from safetensors only). Save it again to write one.", folder)
 
 
 def has_export(folder: str) -> bool:
@@ -37,12 +80,14 @@ def reexport_hint(meta: Optional[dict]) -> str:
 
 
 def export_meta(backend: str, dtype_name: str, architecture: str, source: Optional[str],
-                ipex_version: Optional[str], source_options: Optional[dict] = None) -> dict:
+                ipex_version: Optional[str], source_options: Optional[dict] = None, config=None) -> dict:
     """The content of ``ipex_export.json`` for an export made in this environment. ``source``: the checkpoint it was
-    exported from (a local path or hub id); ``source_options``: the hub options that name it (``revision``,
-    ``subfolder``)."""
+    exported from (an absolute local path or a hub id); ``source_options``: the hub options that name it
+    (``revision``, ``subfolder``); ``config``: the model's config, whose :data:`RECORDED_CONFIG_FIELDS` are
+    recorded."""
     import torch
 
+    facts = {name: getattr(config, name) for name in RECORDED_CONFIG_FIELDS if hasattr(config, name)}
     return {
         "format_version": EXPORT_FORMAT_VERSION,
         "backend": backend,
@@ -52,6 +97,7 @@ def export_meta(backend: str, dtype_name: str, architecture: str, source: Option
         "architecture": architecture,
         "source": source,
         "source_options": dict(source_options or {}),
+        "facts": json.loads(json.dumps(facts)),
     }
 
 
@@ -95,7 +141,102 @@ def read_export_meta(folder: str, model_id: str) -> dict:
             key in ("revision", "subfolder") and isinstance(value, str) for key, value in options.items())):
         raise ValueError(f"{path}: source_options {options!r} is not a mapping of revision/subfolder to strings; "
                          f"{reexport_hint({})}")
+    try:
+        check_subfolder((options or {}).get("subfolder"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: source_options: {exc}; {reexport_hint({})}") from exc
+    if not isinstance(meta.get("source", ""), (str, type(None))):
+        raise ValueError(f"{path}: source {meta['source']!r} is not a path or hub id; {reexport_hint({})}")
     return meta
+
+
+def check_subfolder(subfolder: Optional[str]) -> None:
+    """Refuse a ``subfolder`` that leads out of the folder it names a part of (absolute, or with a ``..`` part).
+
+    Raises:
+        ValueError: naming the subfolder and the fix.
+    """
+    if not subfolder:
+        return
+    parts = subfolder.replace("\\", "/").split("/")
+    if os.path.isabs(subfolder) or subfolder.startswith("~") or ".." in parts:
+        raise ValueError(f"subfolder={subfolder!r} leads out of the model folder; a subfolder is a relative path "
+                         "inside it (no '..', not absolute)")
+
+
+def is_data_only(meta: dict) -> bool:
+    """True for an export of a format that holds data only (format 3 on): no TorchScript archive."""
+    return meta.get("format_version", 1) >= DATA_ONLY_FORMAT_VERSION
+
+
+def check_export_files(folder: str, model_id: str) -> Optional[HashCheck]:
+    """Before anything else of a folder is read (its config.json too): when it holds a data-only export, check every
+    file against its manifest (:func:`~optimum_ipex_spec.manifest.check_folder`): all of them now but the sha256 of
+    the weights, which runs in a thread while the load reads them (returned: pass it to
+    :func:`~optimum_ipex_spec.manifest.checked_while_loading` around the load). Other folders are left alone (None).
+
+    Raises:
+        ManifestError (a ``ValueError``): a file missing, changed, added or linked out of the folder, or no manifest.
+        ValueError: an unreadable ``ipex_export.json``.
+    """
+    if not has_export(folder):
+        return None
+    meta = read_export_meta(folder, model_id)
+    if not is_data_only(meta):
+        return None
+    return check_folder(folder, reexport_hint(meta), deferred_suffix=".safetensors")
+
+
+def check_export_folder(folder: str, meta: dict, config) -> None:
+    """Check what a data-only export recorded against what it holds (its files were checked against the manifest
+    first, :func:`check_export_files`): the recorded facts against ``config`` (read from the folder's config.json)
+    and the weights' dtype (from the safetensors headers) against the recorded ``torch_dtype``.
+
+    Raises:
+        ValueError: config.json or the weights disagree with what the export recorded.
+    """
+    hint = reexport_hint(meta)
+    facts = meta.get("facts")
+    if not isinstance(facts, dict):
+        raise ValueError(f"{os.path.join(folder, EXPORT_CONFIG_NAME)} records no model facts; {hint}")
+    for name, recorded in facts.items():
+        if name not in RECORDED_CONFIG_FIELDS:
+            continue
+        value = json.loads(json.dumps(getattr(config, name, None)))
+        if value != recorded:
+            raise ValueError(
+                f"{os.path.join(folder, 'config.json')} says {name}={value!r}, but the export was built with "
+                f"{recorded!r} ({EXPORT_CONFIG_NAME}); the folder was changed after it was saved: {hint}")
+    architectures = getattr(config, "architectures", None) or [None]
+    if architectures[0] != meta.get("architecture"):
+        raise ValueError(f"{os.path.join(folder, 'config.json')} names architecture {architectures[0]!r}, the export "
+                         f"recorded {meta.get('architecture')!r}; {hint}")
+    _check_weight_dtypes(folder, meta["torch_dtype"], hint)
+
+
+def _check_weight_dtypes(folder: str, dtype_name: str, hint: str) -> None:
+    """Every floating tensor of the folder's safetensors files is in ``dtype_name`` (headers only, no data read)."""
+    from safetensors import safe_open
+
+    names = [name for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")]
+    if not names:
+        raise FileNotFoundError(f"{folder} holds no safetensors weights; {hint}")
+    expected = {"float32": "F32", "bfloat16": "BF16"}[dtype_name]
+    for name in names:
+        with safe_open(os.path.join(folder, name), framework="pt") as f:
+            for key in f.keys():
+                found = f.get_slice(key).get_dtype()
+                if found in ("F64", "F32", "F16", "BF16") and found != expected:
+                    raise ValueError(f"{os.path.join(folder, name)}: {key} is {found}, but the export recorded "
+                                     f"torch_dtype {dtype_name!r}; {hint}")
+
+
+def legacy_archive_refusal(folder: str, meta: dict) -> str:
+    """The message refusing a format 1/2 IPEX export without ``trust_torchscript=True``."""
+    return (f"{folder} is an IPEX export of format {meta.get('format_version', 1)}: its {IPEX_GRAPH_NAME} is a "
+            "TorchScript program, and loading it runs code from the folder. Re-export it from its checkpoint (the new "
+            f"format holds data only): {reexport_hint(meta)}; or, only for a folder you made yourself, pass "
+            "trust_torchscript=True (docs/security.md)")
 
 
 def check_ipex_for_saved_graph(model_id: str, meta: dict, status) -> None:
@@ -145,17 +286,6 @@ def load_graphs(folder: str, meta: dict):
         legacy = _load_graph_file(folder, IPEX_VERIFY_GRAPH_NAME, meta, required=False)
         graphs = IPEXGraphs(decode=graphs.decode, verify=legacy.decode if legacy is not None else None)
     return graphs
-
-
-def save_graphs(folder: str, graphs) -> None:
-    """Write ``graphs`` (:class:`~optimum_ipex_spec.exporters.ipex.IPEXGraphs`) to ``folder/ipex_model.pt``."""
-    from .exporters.ipex import save_ipex_graph, save_ipex_graphs
-
-    path = os.path.join(folder, IPEX_GRAPH_NAME)
-    if graphs.verify is not None:
-        save_ipex_graphs(graphs, path)
-    else:
-        save_ipex_graph(graphs.decode, path)
 
 
 def _load_graph_file(folder: str, name: str, meta: dict, required: bool):

@@ -32,9 +32,15 @@ EXPORT_CONFIG_NAME = "ipex_export.json"
 IPEX_GRAPH_NAME = "ipex_model.pt"
 #: export format 1 only: the frozen verification graph in a file of its own
 IPEX_VERIFY_GRAPH_NAME = "ipex_verify_model.pt"
+#: every file of an export folder with its size and sha256, written last (format 3)
+MANIFEST_NAME = "manifest.json"
 #: 1: frozen decode graph in ipex_model.pt, frozen verification graph in ipex_verify_model.pt;
-#: 2: both traces, unfrozen and sharing their weights, in ipex_model.pt (read: 1 and 2)
-EXPORT_FORMAT_VERSION = 2
+#: 2: both traces, unfrozen and sharing their weights, in ipex_model.pt;
+#: 3: data only: the weights in safetensors (both backends), JSON, and the manifest; IPEX's graphs are traced again
+#: where they are loaded. 1 and 2 hold TorchScript programs: read only with ``trust_torchscript=True``
+EXPORT_FORMAT_VERSION = 3
+#: the first format whose folders hold no program (the manifest is required from it on)
+DATA_ONLY_FORMAT_VERSION = 3
 #: attribute set on a transformers model that an export handed to ``ipex.llm.optimize`` (modified in place)
 IPEX_OPTIMIZED_MARK = "_optimum_ipex_spec_optimized"
 

@@ -33,18 +33,23 @@ from .compiled_step import check_torch_compile, check_torch_compile_flag
 from .cost_model import COST_SCHEDULE, CostModel, SamplingTimes, speculate_by_cost
 from .dense_weights import onednn_bf16_available
 from .export_folder import (
+    check_export_files,
+    check_export_folder,
     check_ipex_for_saved_graph,
+    check_save_target,
+    check_subfolder,
     export_meta,
     has_export,
+    is_data_only,
+    legacy_archive_refusal,
     load_graphs,
+    log_unchecked_export_once,
     read_export_meta,
     reexport_hint,
-    save_graphs,
     write_export_meta,
 )
 from .exporters.ipex import (
     IPEX_FUSED_ARCHITECTURES,
-    IPEXGraphs,
     export_to_ipex,
     first_architecture,
     ipex_converted,
@@ -82,7 +87,8 @@ from .strategy import (
     uses_cost_model,
 )
 from .torch_cache import PreallocatedKVCache
-from .utils.fs import looks_like_local_path
+from .manifest import HashCheck, checked_while_loading, write_manifest
+from .utils.fs import looks_like_local_path, staged_directory
 from .utils.import_utils import (
     ipex_dtype_unsupported, ipex_status, log_dtype_fallback_once, log_fallback_once, require_ipex,
 )
@@ -752,6 +758,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 than stock here. Compiling takes up to a minute per graph (the verification graph at the first
                 chunk of draft tokens; autotuning cached on disk by Inductor); if it fails the eager decoder runs,
                 logged. Default False.
+            trust_torchscript: load an export of format 1 or 2, whose ``ipex_model.pt`` is a TorchScript program
+                that runs code from the folder when loaded: only for a folder you made yourself (docs/security.md).
+                Default False: such a folder is refused, with the command that exports it again. A folder saved by
+                this release holds data only (safetensors, JSON, a manifest) and needs no trust: its files are
+                checked against the manifest, and IPEX's graphs are traced again here from its weights.
 
         Raises:
             FileNotFoundError: ``model_id`` looks like a local path that does not exist.
@@ -761,7 +772,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX (the message has the pip command).
             TypeError: a keyword this method does not take (a misspelling is named with the closest keyword; see
                 :func:`check_from_pretrained_keywords`); ``dtype`` and ``torch_dtype`` both given.
-            ValueError: ``device_map`` / ``device`` other than the CPU.
+            ValueError: ``device_map`` / ``device`` other than the CPU; a ``subfolder`` that leaves the folder; an
+                export folder whose files do not match its manifest (``ManifestError``), whose config.json or
+                weights disagree with what it recorded, or of format 1/2 with IPEX without ``trust_torchscript``.
         """
         model_id = str(model_id)
         check_from_pretrained_keywords(kwargs)
@@ -776,7 +789,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 f"model folder {model_id} does not exist; pass a transformers checkpoint folder, a folder written by "
                 "IPEXModelForCausalLM.save_pretrained, or a hub model id"
             )
+        check_subfolder(kwargs.get("subfolder"))
         folder = checkpoint_folder(model_id, kwargs.get("subfolder"))
+        # an export's files against its manifest, before its config is read; the weights' sha256 runs while they load
+        kwargs["weights_check"] = check_export_files(folder, model_id)
         if os.path.isdir(model_id) and not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"{folder} has no config.json: it is not a transformers model folder")
         backend = kwargs.get("backend", "auto")
@@ -836,15 +852,21 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         torch_dtype: Union[None, str, torch.dtype] = None,
         backend: str = "auto",
         torch_compile: bool = False,
+        weights_check: Optional[HashCheck] = None,
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         check_causal_lm_config(config, model_id)
         folder = checkpoint_folder(model_id, subfolder)
         if has_export(folder):
-            raise ValueError(
-                f"{model_id} is already an IPEX export (it has {EXPORT_CONFIG_NAME}): load it without export=True, "
-                "or export the original transformers checkpoint"
-            )
+            meta = read_export_meta(folder, model_id)
+            if not is_data_only(meta):
+                raise ValueError(
+                    f"{model_id} is already an IPEX export (it has {EXPORT_CONFIG_NAME}): load it without export=True, "
+                    "or export the original transformers checkpoint"
+                )
+            # a data-only export is a checkpoint too (self_draft reads it)
+            weights_check = weights_check or check_export_files(folder, model_id)
+            check_export_folder(folder, meta, config)
         dtype = resolve_dtype(torch_dtype, config)
         load_kwargs = dict(
             revision=revision,
@@ -856,10 +878,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         )
         if subfolder:
             load_kwargs["subfolder"] = subfolder
-        eager = load_causal_lm(model_id, dtype, **load_kwargs)  # a local fp32 checkpoint read straight into bf16
+        with checked_while_loading(weights_check):
+            eager = load_causal_lm(model_id, dtype, **load_kwargs)  # a local fp32 checkpoint read straight into bf16
         # the checkpoint's name for self_draft() and KV sharing: a local subfolder as its path, hub options beside an id
-        if os.path.isdir(model_id):
-            source, source_options = folder, {}
+        if os.path.isdir(model_id):  # an absolute path: the name means the same from another working directory
+            source, source_options = os.path.abspath(folder), {}
         else:
             source = model_id
             source_options = {key: value for key, value in (("revision", revision), ("subfolder", subfolder)) if value}
@@ -942,6 +965,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         torch_dtype: Union[None, str, torch.dtype] = None,
         backend: str = "auto",
         torch_compile: bool = False,
+        weights_check: Optional[HashCheck] = None,
+        trust_torchscript: bool = False,
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         check_torch_compile_flag(torch_compile)
@@ -969,6 +994,31 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 f"{model_id} was exported in {meta['torch_dtype']}; torch_dtype={torch_dtype} would need a new "
                 "export from the original checkpoint"
             )
+        if not is_data_only(meta):
+            return cls._from_legacy_export(model_id, folder, meta, config, dtype, backend, torch_compile,
+                                           trust_torchscript)
+        weights_check = weights_check or check_export_files(folder, model_id)  # from_pretrained started it
+        check_export_folder(folder, meta, config)
+        generation_config = GenerationConfig.from_pretrained(folder) if os.path.isfile(
+            os.path.join(folder, "generation_config.json")) else GenerationConfig.from_model_config(config)
+        if backend == "auto" and meta["backend"] == "torch":
+            backend = "torch"  # an IPEX export under "auto": IPEX where it is usable here, else our decoder (logged)
+        # the folder holds the weights in the export dtype: the export is made again from them, on the backend the
+        # export was made for unless asked otherwise (IPEX's graphs are traced here, for this machine); the weights'
+        # sha256 is checked while they are read, before the model is returned
+        with checked_while_loading(weights_check):
+            eager = load_causal_lm(folder, dtype, use_safetensors=True, trust_remote_code=False)
+            model = cls.from_transformers_model(eager, dtype=dtype, backend=backend,
+                                                generation_config=generation_config, source=os.path.abspath(folder),
+                                                torch_compile=torch_compile)
+        model.model_save_dir = folder
+        return model
+
+    @classmethod
+    def _from_legacy_export(cls, model_id: str, folder: str, meta: dict, config: PretrainedConfig, dtype: torch.dtype,
+                            backend: str, torch_compile: bool, trust_torchscript: bool) -> "IPEXModelForCausalLM":
+        """Load an export of format 1 or 2 (before the manifest): a TorchScript archive for IPEX, transformers'
+        weights for the pure-PyTorch path."""
         try:
             generation_config = GenerationConfig.from_pretrained(folder)
         except OSError:
@@ -981,6 +1031,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 raise ValueError(
                     f"{model_id} holds an IPEX graph; backend='torch' needs the original transformers checkpoint"
                 )
+            if not trust_torchscript:
+                raise ValueError(legacy_archive_refusal(folder, meta))
             check_ipex_for_saved_graph(model_id, meta, ipex_status())
             graphs = load_graphs(folder, meta)
             model = cls(graphs.decode, config, backend="ipex", dtype=dtype, generation_config=generation_config,
@@ -999,18 +1051,57 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 f"{model_id} holds a pure-PyTorch export (backend 'torch'); backend='ipex' needs a new export from "
                 f"the original checkpoint: {reexport_hint(meta)}"
             )
-        eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype)
+        log_unchecked_export_once(folder)
+        eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, use_safetensors=True,
+                                                     trust_remote_code=False)
         return cls(eager.eval(), config, backend="torch", dtype=dtype, generation_config=generation_config,
                    model_save_dir=folder, source=meta.get("source"), torch_compile=torch_compile,
                    source_options=meta.get("source_options"))
+
+    def save_pretrained(self, save_directory: Union[str, Path], push_to_hub: bool = False, **kwargs) -> None:
+        """Write this model as an export folder (format 3, data only): config.json, generation_config.json, the
+        weights in safetensors in the model's dtype, ``ipex_export.json`` (versions, source, the model facts it was
+        built for) and, last, ``manifest.json`` (every file's size and sha256). The folder is written beside
+        ``save_directory`` and renamed into place: an existing export is replaced only once the new one is complete
+        (swapped in one step where the system can), and a save that is killed leaves the old export or nothing
+        (besides a hidden ``.<name>-`` folder, which loading names as an unfinished save).
+
+        An IPEX model holds IPEX's packed weights only: its weights are read again from its ``source`` checkpoint
+        (the one it was exported or loaded from) in its dtype. ``push_to_hub``: optimum's upload of the folder.
+
+        Raises:
+            ValueError: ``save_directory`` is a file, a symbolic link, or a non-empty folder that holds no export (it
+                is replaced whole, and it is not ours to delete); a model with int8 weights; an IPEX model without a
+                ``source``.
+        """
+        target = Path(os.path.abspath(os.path.expanduser(str(save_directory))))
+        check_save_target(target)
+        with staged_directory(target) as staging:
+            self._save_pretrained(staging)
+            for preprocessor in self.preprocessors:
+                preprocessor.save_pretrained(staging)
+            write_manifest(str(staging))
+        if push_to_hub:
+            return self.push_to_hub(str(target), **kwargs)
+        return None
 
     def _save_pretrained(self, save_directory: Union[str, Path]) -> None:
         if self.weights != "dense":
             raise ValueError(f"a model with {self.weights} weights is built from its checkpoint in seconds and is "
                              "not saved: save the checkpoint, and build it again with self_draft(weights=...)")
         save_directory = str(save_directory)
+        config = self.config
         if self.backend == "ipex":
-            save_graphs(save_directory, IPEXGraphs(decode=self.model, verify=self.verify_model))
+            if not self.source:
+                raise ValueError("this IPEX model holds IPEX's packed weights only, and no checkpoint is recorded to "
+                                 "read its weights from: save the transformers model (model.save_pretrained) before "
+                                 "exporting it, and export that folder with from_pretrained(folder, export=True)")
+            # the checkpoint read again in the model's dtype, as the export read it; its config is the one the export
+            # started from (IPEX's graphs are traced again from both when the folder is loaded)
+            eager = load_causal_lm(self.source, self._dtype, **self.source_options)
+            eager.save_pretrained(save_directory, safe_serialization=True)
+            config = eager.config
+            del eager
         else:
             # in bf16 the decoder fuses q/k/v and gate/up, and the layers' weights are row slices of the fused
             # matrices; a checkpoint holds each weight on its own: those slices are copied for the save (the fused
@@ -1019,12 +1110,12 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             # copy too; a tied head and its embedding one tensor, which transformers writes once)
             state_dict = {name: tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
                           for name, tensor in self.model.state_dict().items()}
-            self.model.save_pretrained(save_directory, state_dict=state_dict)
+            self.model.save_pretrained(save_directory, state_dict=state_dict, safe_serialization=True)
         self.generation_config.save_pretrained(save_directory)
         ipex_version = ipex_status().ipex_version if self.backend == "ipex" else None
         write_export_meta(save_directory, export_meta(self.backend, dtype_name(self._dtype),
-                                                      first_architecture(self.config), self.source, ipex_version,
-                                                      self.source_options))
+                                                      first_architecture(config), self.source, ipex_version,
+                                                      self.source_options, config))
 
 
 register_for_pipelines(IPEXModelForCausalLM.__name__)
@@ -1034,7 +1125,8 @@ register_for_pipelines(IPEXModelForCausalLM.__name__)
 #: spellings it honours: ``dtype`` for ``torch_dtype``, ``device_map``/``device`` for the CPU)
 FROM_PRETRAINED_KEYWORDS = (
     "config", "export", "subfolder", "revision", "force_download", "local_files_only", "trust_remote_code",
-    "cache_dir", "token", "torch_dtype", "dtype", "backend", "torch_compile", "device_map", "device")
+    "cache_dir", "token", "torch_dtype", "dtype", "backend", "torch_compile", "device_map", "device",
+    "trust_torchscript")
 
 
 def check_from_pretrained_keywords(kwargs: Dict[str, Any]) -> None:

@@ -273,3 +273,26 @@ def tiny_stock_target_draft(tiny_dir):
                                  generation_config=target.generation_config, verify_model=target.verify_model,
                                  warmup=False)
     return stock, target, draft
+
+
+def write_legacy_export(model, folder, format_version: int = 2) -> None:
+    """Write ``model`` (an IPEX-backend IPEXModelForCausalLM) as the releases before export format 3 did: config.json,
+    generation_config.json, ``ipex_model.pt`` (a TorchScript archive holding both graphs) and ``ipex_export.json``;
+    no manifest. The folders users still hold."""
+    import json
+    import os
+
+    from optimum_ipex_spec.export_folder import export_meta
+    from optimum_ipex_spec.exporters.ipex import IPEXGraphs, save_ipex_graphs
+    from optimum_ipex_spec.utils.import_utils import ipex_status
+
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    save_ipex_graphs(IPEXGraphs(decode=model.model, verify=model.verify_model), os.path.join(folder, "ipex_model.pt"))
+    meta = export_meta("ipex", str(model.dtype).replace("torch.", ""), model.config.architectures[0], model.source,
+                       ipex_status().ipex_version)
+    meta["format_version"] = format_version
+    del meta["facts"]
+    with open(os.path.join(folder, "ipex_export.json"), "w") as f:
+        json.dump(meta, f)

@@ -89,9 +89,15 @@ def test_non_empty_output_refused_unless_overwrite(tiny_dir, tmp_path):
     res = _run(["--model", tiny_dir("llama"), out])
     assert res.returncode == 2 and "not empty" in res.stderr and "--overwrite" in res.stderr
     assert sorted(os.listdir(out)) == ["keep.txt"]
-    res = _run(["--model", tiny_dir("llama"), out, "--overwrite"])
+    res = _run(["--model", tiny_dir("llama"), out, "--overwrite"])  # not an export: --overwrite does not delete it
+    assert res.returncode == 2 and "holds no export of ours" in res.stderr, res.stderr
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert _run(["--model", tiny_dir("llama"), out]).returncode == 0  # an empty folder
+    first = (out / "manifest.json").read_text()
+    res = _run(["--model", tiny_dir("llama"), out, "--overwrite", "--torch_dtype", "bfloat16"])  # an earlier export
     assert res.returncode == 0, res.stderr
-    assert "keep.txt" not in os.listdir(out) and (out / "ipex_export.json").is_file()
+    assert (out / "manifest.json").read_text() != first and (out / "ipex_export.json").is_file()
     assert _siblings(out) == ["out"]  # no staging folder left behind
 
 

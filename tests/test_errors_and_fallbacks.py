@@ -55,7 +55,7 @@ def test_saved_ipex_export_without_ipex_raises(no_ipex, tmp_path):
     (tmp_path / "ipex_export.json").write_text(json.dumps(
         {"backend": "ipex", "torch_dtype": "float32", "ipex_version": "2.8.0", "torch_version": "2.8.0"}))
     with pytest.raises(IPEXNotAvailableError, match="re-export the original checkpoint with backend='torch'"):
-        IPEXModelForCausalLM.from_pretrained(tmp_path)
+        IPEXModelForCausalLM.from_pretrained(tmp_path, trust_torchscript=True)  # a format-1 folder: an IPEX graph
 
 
 def test_unsupported_architecture_falls_back_with_warning(tiny_dir, caplog):
@@ -242,12 +242,12 @@ def test_corrupted_export_files_name_the_file_and_fix(ipex_llama, tmp_path):
     import json
 
     folder = _saved_copy(ipex_llama, tmp_path)
-    graph = folder / "ipex_model.pt"
-    graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 2])
-    with pytest.raises(ValueError, match=r"ipex_model.pt is not a loadable TorchScript graph.*re-export"):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors has \d+ bytes, its manifest says.*re-export"):
         IPEXModelForCausalLM.from_pretrained(folder)
-    graph.unlink()
-    with pytest.raises(FileNotFoundError, match=r"ipex_model.pt is missing.*re-export"):
+    weights.unlink()
+    with pytest.raises(ValueError, match=r"model.safetensors is listed in the manifest but missing.*re-export"):
         IPEXModelForCausalLM.from_pretrained(folder)
     meta = folder / "ipex_export.json"
     for broken in ("{", json.dumps({"torch_dtype": "float32"}), json.dumps([1, 2]),
@@ -260,14 +260,30 @@ def test_corrupted_export_files_name_the_file_and_fix(ipex_llama, tmp_path):
         IPEXModelForCausalLM.from_pretrained(folder)
 
 
-def test_export_true_on_an_export_and_backend_mismatch(ipex_llama, tiny_dir, tmp_path):
+def test_an_export_loads_on_either_backend_and_exports_again(ipex_llama, tiny_dir, tmp_path, tokenizer):
+    """A data-only export holds a transformers checkpoint in the export dtype: it loads on the other backend too
+    (IPEX's graphs are traced from it, our decoder reads it), and export=True on it is an export of that checkpoint.
+    Each gives stock transformers' greedy tokens."""
+    inputs = tokenizer("def fib(n):", return_tensors="pt")
+    expected = AutoModelForCausalLM.from_pretrained(tiny_dir("llama")).eval().generate(**inputs, max_new_tokens=12,
+                                                                                       do_sample=False)
     folder = _saved_copy(ipex_llama, tmp_path)
-    with pytest.raises(ValueError, match="already an IPEX export"):
-        IPEXModelForCausalLM.from_pretrained(folder, export=True)
     torch_folder = _saved_copy(IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, backend="torch"),
                                tmp_path, "torch-export")
-    with pytest.raises(ValueError, match="pure-PyTorch export"):
-        IPEXModelForCausalLM.from_pretrained(torch_folder, backend="ipex")
+    for path, backend in ((folder, "torch"), (torch_folder, "ipex"), (folder, "auto"), (torch_folder, "auto")):
+        model = IPEXModelForCausalLM.from_pretrained(path, backend=backend)
+        assert model.backend == (backend if backend != "auto" else ("ipex" if path == folder else "torch"))
+        assert torch.equal(model.generate(**inputs, max_new_tokens=12, do_sample=False), expected), (path, backend)
+    again = IPEXModelForCausalLM.from_pretrained(folder, export=True, backend="torch")
+    assert torch.equal(again.generate(**inputs, max_new_tokens=12, do_sample=False), expected)
+
+
+def test_export_true_on_a_legacy_export_is_refused(ipex_llama, tmp_path):
+    from conftest import write_legacy_export
+
+    write_legacy_export(ipex_llama, tmp_path / "legacy")
+    with pytest.raises(ValueError, match="already an IPEX export"):
+        IPEXModelForCausalLM.from_pretrained(tmp_path / "legacy", export=True)
 
 
 def test_provisioned_name_is_accepted(monkeypatch, tiny_dir):
@@ -341,7 +357,7 @@ def test_saved_bf16_ipex_export_on_cpu_without_bf16_raises(cpu_without_bf16, ipe
         {"backend": "ipex", "torch_dtype": "bfloat16", "ipex_version": status.ipex_version,
          "torch_version": status.torch_version}))
     with pytest.raises(ValueError, match="exported in bfloat16, and IPEX's bf16 kernels need") as err:
-        IPEXModelForCausalLM.from_pretrained(tmp_path)
+        IPEXModelForCausalLM.from_pretrained(tmp_path, trust_torchscript=True)
     assert "torch_dtype=torch.float32 keeps IPEX" in str(err.value)
 
 

@@ -7,7 +7,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import build_tiny
+from conftest import build_tiny, write_legacy_export
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.exporters.ipex import IPEXGraphs, export_to_ipex, load_ipex_graphs, save_ipex_graphs
 
@@ -80,24 +80,32 @@ def test_export_after_export_keeps_the_first_model_running(ipex_available, tiny_
     assert torch.equal(first.generate(**inputs, max_new_tokens=8, do_sample=False), expected)
 
 
-def test_old_format_folder_with_two_graph_files_still_loads(ipex_available, tiny_dir, tokenizer, tmp_path):
-    """Export format 1 wrote the verification graph to ipex_verify_model.pt; such folders keep loading."""
+def test_old_format_folders_load_only_when_trusted(ipex_available, tiny_dir, tokenizer, tmp_path):
+    """Export formats 1 (the verification graph in ipex_verify_model.pt) and 2 (both graphs in ipex_model.pt) hold
+    TorchScript programs: refused by default, with the re-export command; loaded with trust_torchscript=True."""
     import json
 
     model = IPEXModelForCausalLM.from_pretrained(tiny_dir("qwen2"), export=True)
     inputs = tokenizer("def fib(n):", return_tensors="pt")
     expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    model.save_pretrained(tmp_path)
-    os.remove(tmp_path / "ipex_model.pt")
-    torch.jit.save(model.model, str(tmp_path / "ipex_model.pt"))
-    torch.jit.save(model.verify_model, str(tmp_path / "ipex_verify_model.pt"))
-    meta = json.loads((tmp_path / "ipex_export.json").read_text())
-    meta["format_version"] = 1
-    (tmp_path / "ipex_export.json").write_text(json.dumps(meta))
-    loaded = IPEXModelForCausalLM.from_pretrained(tmp_path)
+    write_legacy_export(model, tmp_path / "v2")
+    with pytest.raises(ValueError, match=r"format 2: its ipex_model.pt is a TorchScript program.*from_pretrained\("
+                                         r".*export=True.*trust_torchscript=True"):
+        IPEXModelForCausalLM.from_pretrained(tmp_path / "v2")
+    loaded = IPEXModelForCausalLM.from_pretrained(tmp_path / "v2", trust_torchscript=True)
+    assert torch.equal(loaded.generate(**inputs, max_new_tokens=8, do_sample=False), expected)
+    folder = tmp_path / "v1"
+    write_legacy_export(model, folder, format_version=1)
+    os.remove(folder / "ipex_model.pt")
+    torch.jit.save(model.model, str(folder / "ipex_model.pt"))
+    torch.jit.save(model.verify_model, str(folder / "ipex_verify_model.pt"))
+    assert json.loads((folder / "ipex_export.json").read_text())["format_version"] == 1
+    with pytest.raises(ValueError, match="format 1"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+    loaded = IPEXModelForCausalLM.from_pretrained(folder, trust_torchscript=True)
     assert loaded.verify_model is not None
     assert torch.equal(loaded.generate(**inputs, max_new_tokens=8, do_sample=False), expected)
-    assert isinstance(load_ipex_graphs(str(tmp_path / "ipex_model.pt")), IPEXGraphs)
+    assert isinstance(load_ipex_graphs(str(folder / "ipex_model.pt")), IPEXGraphs)
 
 
 def test_model_ipex_leaves_unconverted_is_a_clear_error(ipex_available, monkeypatch):

@@ -1,6 +1,8 @@
 """IPEXModelForCausalLM on tiny seeded models with a real tokenizer: token-exact against stock transformers."""
 
 import pytest
+import os
+
 import torch
 from parameterized import parameterized
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList, TextStreamer
@@ -140,17 +142,21 @@ def test_pipeline_text_generation(tiny_dir, tokenizer):
     assert out == expected
 
 
-def test_save_load_round_trip_without_retrace(tiny_dir, tokenizer, tmp_path, monkeypatch):
+def test_save_load_round_trip_reads_no_archive(tiny_dir, tokenizer, tmp_path, monkeypatch):
+    """A saved export loads without export=True's path and without reading a TorchScript archive (format 3 holds
+    none: IPEX's graphs are traced again from the saved weights), and generates the same tokens."""
     model = IPEXModelForCausalLM.from_pretrained(tiny_dir("qwen2"), export=True)
     inputs = _ids(tokenizer, TEXTS[0])
     expected = model.generate(**inputs, max_new_tokens=32, do_sample=False)
     model.save_pretrained(tmp_path)
+    assert not [name for name in os.listdir(tmp_path) if name.endswith((".pt", ".bin", ".pkl"))]
 
-    def _no_export(*a, **k):
-        raise AssertionError("loading a saved export must not export or trace again")
+    def _refused(*a, **k):
+        raise AssertionError("loading a saved export must neither export from a checkpoint nor load an archive")
 
-    monkeypatch.setattr(IPEXModelForCausalLM, "_export", classmethod(_no_export))
-    monkeypatch.setattr(torch.jit, "trace", _no_export)
+    monkeypatch.setattr(IPEXModelForCausalLM, "_export", classmethod(_refused))
+    monkeypatch.setattr(torch.jit, "load", _refused)
+    monkeypatch.setattr(torch, "load", _refused)
     loaded = IPEXModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.backend == model.backend
     assert torch.equal(loaded.generate(**inputs, max_new_tokens=32, do_sample=False), expected)

@@ -187,8 +187,8 @@ def test_self_draft_of_a_checkpoint_in_a_subfolder_loads_it_and_shares(backend, 
 
 
 def test_a_hub_ids_revision_and_subfolder_survive_save_and_load(tiny_dir, tmp_path):
-    """An export of a hub id keeps the revision and subfolder it was loaded with: save_pretrained writes them, loading
-    reads them back (self_draft() passes them on), and the re-export hint names them."""
+    """An export of a hub id keeps the revision and subfolder it was loaded with: save_pretrained records them and the
+    re-export hint names them; the loaded export reads its weights (self_draft() too) from its own folder."""
     import json
 
     from optimum_ipex_spec.export_folder import read_export_meta, reexport_hint
@@ -197,9 +197,10 @@ def test_a_hub_ids_revision_and_subfolder_survive_save_and_load(tiny_dir, tmp_pa
     model = IPEXModelForCausalLM.from_transformers_model(AutoModelForCausalLM.from_pretrained(tiny_dir("llama")),
                                                          backend="torch", source="org/model", source_options=options)
     model.save_pretrained(tmp_path / "saved")
-    loaded = IPEXModelForCausalLM.from_pretrained(tmp_path / "saved")
-    assert (loaded.source, loaded.source_options) == ("org/model", options)
     meta = read_export_meta(str(tmp_path / "saved"), "saved")
+    assert (meta["source"], meta["source_options"]) == ("org/model", options)
+    loaded = IPEXModelForCausalLM.from_pretrained(tmp_path / "saved")  # its weights are in the folder: its source
+    assert (loaded.source, loaded.source_options) == (str(tmp_path / "saved"), {})
     assert reexport_hint(meta) == ("re-export it with IPEXModelForCausalLM.from_pretrained('org/model', "
                                    "revision='v2', subfolder='base', export=True)")
     path = tmp_path / "saved" / "ipex_export.json"

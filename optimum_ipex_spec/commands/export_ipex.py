@@ -20,7 +20,8 @@ def parse_args_ipex(parser: ArgumentParser) -> None:
     required.add_argument("-m", "--model", required=True,
                           help="Model folder, hub model id, or a name known to optimum_ipex_spec.provision "
                                "(e.g. smollm2-135m-instruct).")
-    required.add_argument("output", help="Folder to write the export to (must be empty or absent).")
+    required.add_argument("output", help="Folder to write the export to (absent, empty, or an export with "
+                                         "--overwrite).")
     optional = parser.add_argument_group("Optional arguments")
     optional.add_argument("--task", default="auto", choices=("auto",) + TASKS,
                           help="Task to export for; inferred from the model when 'auto'. Both tasks export a "
@@ -36,7 +37,10 @@ def parse_args_ipex(parser: ArgumentParser) -> None:
                           help="Validation tolerance on the max absolute logit difference between the reloaded "
                                "export and the eager transformers model (default 5e-4 for float32, 1.5 for "
                                "bfloat16).")
-    optional.add_argument("--overwrite", action="store_true", help="Replace a non-empty OUTPUT folder.")
+    optional.add_argument("--overwrite", action="store_true",
+                          help="Replace an OUTPUT folder that holds an earlier export (kept until the new one is "
+                               "complete). A folder holding anything else, the working directory, its parents, the "
+                               "home folder and symbolic links are refused.")
     optional.add_argument("--trust_remote_code", action="store_true", help="Allow custom modeling code from the hub.")
     optional.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit).")
     optional.add_argument("--cache_dir", default=None, help="Hub cache folder.")

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from ..facts import TASKS
+from ..export_folder import has_export
+from ..facts import EXPORT_CONFIG_NAME, TASKS
+from ..manifest import write_manifest
 from ..utils.fs import looks_like_local_path, staged_directory
 
 logger = logging.getLogger("optimum_ipex_spec")
@@ -66,18 +68,32 @@ def infer_task(config) -> str:
 
 
 def _check_output(output: Path, overwrite: bool, model_id: str) -> None:
+    """Refuse an output that the export would wrongly replace (the output folder is replaced whole)."""
     source = Path(model_id).expanduser()
     if source.exists():
         source = source.resolve()
-        if output == source or output in source.parents:
+        real = output.resolve()
+        if real == source or real in source.parents:
             raise ExportError(
                 f"output {output} is the model folder or contains it: --overwrite would delete the checkpoint being "
                 "exported; choose another output folder"
             )
+    if output.is_symlink():
+        raise ExportError(f"output {output} is a symbolic link (to {output.resolve()}); the export replaces the "
+                          "folder it names: pass a real folder path")
+    cwd, home = Path.cwd().resolve(), Path.home().resolve()
+    if output.resolve() in (cwd, home, Path(output.anchor)) or output.resolve() in cwd.parents:
+        raise ExportError(f"output {output} is the working directory, one of its parents, the home folder or the "
+                          "root: the export replaces its output folder whole; pass a new folder, e.g. ./exported")
     if output.exists() and not output.is_dir():
         raise ExportError(f"output {output} exists and is not a folder")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise ExportError(f"output folder {output} is not empty; pass --overwrite to replace it")
+    if output.is_dir() and any(output.iterdir()):
+        if not overwrite:
+            raise ExportError(f"output folder {output} is not empty; pass --overwrite to replace it")
+        if not has_export(str(output)):
+            raise ExportError(f"output folder {output} is not empty and holds no export of ours ({EXPORT_CONFIG_NAME} "
+                              "missing): --overwrite replaces only an earlier export or an empty folder; choose "
+                              "another output folder or empty this one yourself")
 
 
 def _load_config(model_id: str, **hub):
@@ -117,7 +133,7 @@ def main_export(
     from ..provision import resolve_model
     from ..utils.import_utils import IPEXNotAvailableError
 
-    output_path = Path(output).expanduser().resolve()
+    output_path = Path(os.path.abspath(Path(output).expanduser()))  # links not followed: _check_output refuses them
     if task != "auto" and task not in TASKS:
         raise ExportError(f"task {task!r} is not supported by the IPEX exporter; supported: {', '.join(TASKS)}")
     if atol is not None and not atol >= 0:  # also rejects NaN
@@ -149,6 +165,7 @@ def main_export(
         steps.set_postfix_str("saving")
         exported.save_pretrained(staging)
         tokenizer = _save_tokenizer(model_id, staging, hub)
+        write_manifest(str(staging))  # the tokenizer's files listed too
         steps.update(1)
         if with_draft:
             steps.set_postfix_str("exporting the bf16 draft")

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+#: renameat2's flag that swaps two paths in one step (Linux >= 3.15, glibc >= 2.28)
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
 
 
 def looks_like_local_path(model_id: str) -> bool:
@@ -16,18 +22,46 @@ def looks_like_local_path(model_id: str) -> bool:
 
 @contextlib.contextmanager
 def staged_directory(target: Path) -> Iterator[Path]:
-    """Yield an empty temporary sibling of ``target``; when the body succeeds, it replaces ``target``
-    (world-readable), otherwise it is removed. Either way no half-written ``target`` is left behind."""
+    """Yield an empty temporary sibling of ``target`` (hidden: ``.<name>-…``); when the body succeeds, it takes
+    ``target``'s place (world-readable) by :func:`replace_directory`, otherwise it is removed. A process killed in the
+    body leaves ``target`` as it was, and the hidden sibling."""
+    target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         yield staging
-        if target.exists():
-            shutil.rmtree(target)
         staging.chmod(0o755)  # mkdtemp makes it private
         for path in staging.rglob("*"):  # safetensors writes its files owner-only
             path.chmod(0o755 if path.is_dir() else 0o644)
-        staging.rename(target)
+        replace_directory(staging, target)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def replace_directory(new: Path, target: Path) -> None:
+    """Put folder ``new`` in ``target``'s place. An existing ``target`` is swapped with ``new`` in one step where the
+    system can (``renameat2(RENAME_EXCHANGE)``), then removed; elsewhere it is renamed aside first, so a process
+    killed between the two renames leaves the old folder beside the path, never a half-written one in it."""
+    if not os.path.lexists(target):
+        new.rename(target)
+        return
+    if _exchange(new, target):
+        shutil.rmtree(new, ignore_errors=True)  # now the old folder
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
+    aside.rmdir()
+    target.rename(aside)
+    new.rename(target)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where renameat2 is unavailable or refuses (the caller renames instead)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(_AT_FDCWD, os.fsencode(str(a)), _AT_FDCWD, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0
