@@ -142,7 +142,8 @@ def main(argv=None) -> int:
             row = {"model": args.model, "dtype": dtype, "backend": backend, "rounds": args.rounds, **med,
                    "samples": times}
             archive_s = f"{med['archive']:.1f}" if "archive" in med else "-"
-            line = (f"| {args.model} | {dtype} | {backend} | {med['stock']:.2f} | {med['read']:.2f} | {med['saved']:.2f} | "
+            line = (f"| {args.model} | {dtype} | {backend} | {med['stock']:.2f} | {med['read']:.2f} | "
+                    f"{med['saved']:.2f} | "
                     f"x{med['saved'] / med['stock']:.2f} | {2 * med['stock'] + med['read']:.2f} | {med['first']:.2f} | "
                     f"{med['export']:.1f} | {archive_s} |")
             print(line, flush=True)

@@ -47,7 +47,8 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 # what transformers' from_pretrained accepts and means the same for a local folder
-LOCAL_NEUTRAL_KWARGS = ("revision", "cache_dir", "force_download", "token", "local_files_only", "trust_remote_code")
+LOCAL_NEUTRAL_KWARGS = ("revision", "cache_dir", "force_download", "token", "local_files_only", "trust_remote_code",
+                        "use_safetensors")
 
 #: architectures whose converting load is tested equal to transformers' in both lanes. Others go to transformers: a
 #: model may compute a buffer at construction that transformers 5's from_pretrained computes otherwise (GPT-J's
@@ -75,12 +76,24 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, **kwargs) -> PreTrainedMod
     Returns:
         The transformers model in eval mode, its ``generation_config`` read from the folder as transformers does.
 
+    Weights are read from safetensors only (``use_safetensors=True`` unless the caller passes it): a pickled
+    checkpoint could run code when loaded.
+
     Raises:
+        ValueError: a local folder whose weights are pickles only (``pytorch_model.bin``, ...), naming the conversion.
         Whatever transformers' ``from_pretrained`` raises for the checkpoint (the converting path checks first
         and hands every case it does not cover to transformers); OSError if a weights file is shorter than its
         header says.
     """
     folder = checkpoint_folder(model_id, kwargs.get("subfolder"))
+    kwargs.setdefault("use_safetensors", True)  # a pickle (pytorch_model.bin) is never loaded: it can run code
+    if os.path.isdir(folder) and _safetensors_files(folder) is None:
+        pickled = sorted(name for name in os.listdir(folder) if name.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        if pickled:
+            raise ValueError(
+                f"{folder} holds its weights only as pickles ({', '.join(pickled[:3])}); loading a pickle can run "
+                "code, and optimum-ipex-spec reads safetensors only. Convert the checkpoint once, where you trust it: "
+                "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder, safe_serialization=True)")
     plan = conversion_plan(folder, dtype, kwargs)
     if plan is None:
         return AutoModelForCausalLM.from_pretrained(model_id, **{**kwargs, _dtype_kwarg(): dtype})

@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import re
 from typing import Optional
 
 from .compat import parse_version, same_ipex_release
@@ -26,10 +27,11 @@ from .facts import (
     EXPORT_DTYPES,
     EXPORT_FORMAT_VERSION,
     IPEX_GRAPH_NAME,
+    MANIFEST_NAME,
     IPEX_PIP_COMMAND,
     IPEX_VERIFY_GRAPH_NAME,
 )
-from .manifest import HashCheck, check_folder
+from .manifest import HashCheck, check_folder, is_unread
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -41,22 +43,76 @@ RECORDED_CONFIG_FIELDS = ("vocab_size", "max_position_embeddings", "n_positions"
 
 
 def check_save_target(target) -> None:
-    """Refuse a ``save_pretrained`` / CLI output that saving would wrongly replace: a file, a symbolic link (the
-    link would be replaced, or its target deleted), or a folder that holds anything but an export of ours (the
-    folder is replaced whole).
+    """Refuse a ``save_pretrained`` / CLI output that saving would wrongly replace (the folder is replaced whole): a
+    file; a symbolic link (the link would be replaced, or its target deleted); the working directory, one of its
+    parents, the home folder or the root; a folder that holds anything but an export of ours and files loading never
+    reads (a tokenizer saved there first, a README: they are carried over into the new export, :func:`carry_over`).
 
     Raises:
         ValueError: naming the path and the fix.
     """
-    path = str(target)
+    path = os.path.abspath(str(target))
     if os.path.islink(path):
         raise ValueError(f"{path} is a symbolic link; saving replaces the folder it names: pass the real folder "
                          f"({os.path.realpath(path)}) or a new one")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{path} is a file; pass a folder to save the export into")
-    if os.path.isdir(path) and os.listdir(path) and not has_export(path):
-        raise ValueError(f"{path} is not empty and holds no export ({EXPORT_CONFIG_NAME} missing); saving replaces "
-                         "the whole folder: save into a new or empty folder, or remove its files first")
+    real, cwd = os.path.realpath(path), os.path.realpath(os.getcwd())
+    if real in (cwd, os.path.realpath(os.path.expanduser("~")), os.path.abspath(os.sep)) or (
+            os.path.commonpath([real, cwd]) == real):
+        raise ValueError(f"{path} is the working directory, one of its parents, the home folder or the root: saving "
+                         "replaces its folder whole; pass a new folder, e.g. ./exported")
+    others = foreign_files(path)
+    if others:
+        raise ValueError(f"{path} holds files that are not part of an export ({', '.join(others[:5])}); saving "
+                         "replaces the whole folder (a tokenizer, docs and subfolders are kept): save into a new or "
+                         "empty folder, or move those files first")
+
+
+#: files an export folder of any format may hold (besides its manifest's, tokenizer files, docs and subfolders)
+EXPORT_FILE_NAMES = ("config.json", "generation_config.json", EXPORT_CONFIG_NAME, MANIFEST_NAME, IPEX_GRAPH_NAME,
+                     IPEX_VERIFY_GRAPH_NAME, "model.safetensors", "model.safetensors.index.json")
+
+
+def foreign_files(folder: str) -> list:
+    """The files of ``folder`` that a save over it would delete and that are not an export's: everything but
+    :data:`EXPORT_FILE_NAMES`, weight shards, files its manifest lists, files loading never reads, and subfolders
+    (the last three are carried over). Empty for a folder that does not exist."""
+    if not os.path.isdir(folder):
+        return []
+    listed = set()
+    if os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+        try:
+            with open(os.path.join(folder, MANIFEST_NAME)) as f:
+                listed = set((json.load(f) or {}).get("files") or {})
+        except (OSError, ValueError, RecursionError, AttributeError, TypeError):
+            listed = set()
+    return sorted(entry.name for entry in os.scandir(folder)
+                  if not entry.is_dir(follow_symlinks=False) and not is_unread(entry.name)
+                  and entry.name not in EXPORT_FILE_NAMES and entry.name not in listed
+                  and not re.fullmatch(r"model-\d+-of-\d+\.safetensors", entry.name))
+
+
+def carry_over(old: str, new: str) -> None:
+    """Keep in the new export ``new`` what the old folder ``old`` held besides its export: files loading never reads
+    (a tokenizer saved beside the model, a README) and subfolders (the CLI's ``draft-bf16``, an export with its own
+    manifest), as hard links (copies where links cannot be made), unless ``new`` has its own."""
+    from .utils.fs import link_or_copy
+
+    for name in carried_over(old):
+        if not os.path.lexists(os.path.join(new, name)):
+            link_or_copy(os.path.join(old, name), os.path.join(new, name))
+
+
+def carried_over(folder: str) -> list:
+    """The entries of an existing export folder (or of one holding only files loading never reads) that a new save
+    keeps: files loading never reads (a tokenizer saved beside the model, a README) and subfolders (the CLI's
+    ``draft-bf16``, an export with its own manifest)."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(entry.name for entry in os.scandir(folder)
+                  if entry.name != MANIFEST_NAME and not entry.is_symlink()
+                  and (entry.is_dir() or (entry.is_file() and is_unread(entry.name))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,8 +172,8 @@ def read_export_meta(folder: str, model_id: str) -> dict:
     try:
         with open(path) as f:
             meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is unreadable ({exc}); {reexport_hint({})}") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:200]}); {reexport_hint({})}") from exc
     if not isinstance(meta, dict) or meta.get("backend") not in ("ipex", "torch") or (
             meta.get("torch_dtype") not in EXPORT_DTYPES):
         raise ValueError(
@@ -150,8 +206,9 @@ def read_export_meta(folder: str, model_id: str) -> dict:
     return meta
 
 
-def check_subfolder(subfolder: Optional[str]) -> None:
-    """Refuse a ``subfolder`` that leads out of the folder it names a part of (absolute, or with a ``..`` part).
+def check_subfolder(subfolder: Optional[str], model_id: Optional[str] = None) -> None:
+    """Refuse a ``subfolder`` that leads out of the folder it names a part of (absolute, with a ``..`` part, or,
+    for a local ``model_id``, a link to elsewhere).
 
     Raises:
         ValueError: naming the subfolder and the fix.
@@ -159,9 +216,13 @@ def check_subfolder(subfolder: Optional[str]) -> None:
     if not subfolder:
         return
     parts = subfolder.replace("\\", "/").split("/")
-    if os.path.isabs(subfolder) or subfolder.startswith("~") or ".." in parts:
+    outside = os.path.isabs(subfolder) or subfolder.startswith("~") or ".." in parts
+    if not outside and model_id and os.path.isdir(model_id):
+        root = os.path.realpath(model_id)
+        outside = os.path.commonpath([root, os.path.realpath(os.path.join(model_id, subfolder))]) != root
+    if outside:
         raise ValueError(f"subfolder={subfolder!r} leads out of the model folder; a subfolder is a relative path "
-                         "inside it (no '..', not absolute)")
+                         "inside it (no '..', not absolute, not a link to elsewhere)")
 
 
 def is_data_only(meta: dict) -> bool:
@@ -170,21 +231,76 @@ def is_data_only(meta: dict) -> bool:
 
 
 def check_export_files(folder: str, model_id: str) -> Optional[HashCheck]:
-    """Before anything else of a folder is read (its config.json too): when it holds a data-only export, check every
-    file against its manifest (:func:`~optimum_ipex_spec.manifest.check_folder`): all of them now but the sha256 of
-    the weights, which runs in a thread while the load reads them (returned: pass it to
-    :func:`~optimum_ipex_spec.manifest.checked_while_loading` around the load). Other folders are left alone (None).
+    """Before anything else of a folder is read (its config.json too): when it holds an export with a manifest, check
+    every file against it (:func:`~optimum_ipex_spec.manifest.check_folder`; whatever format the folder claims): all
+    of them now but the sha256 of the weights, which runs while the load reads them (returned: pass it to
+    :func:`~optimum_ipex_spec.manifest.checked_while_loading` around the load); then the weight files transformers
+    will read (:func:`weight_files`) and config.json (no remote code). Other folders are left alone (None).
 
     Raises:
-        ManifestError (a ``ValueError``): a file missing, changed, added or linked out of the folder, or no manifest.
-        ValueError: an unreadable ``ipex_export.json``.
+        ManifestError (a ``ValueError``): a file missing, changed, added or linked out of the folder, or no manifest
+            in a data-only export.
+        ValueError: an unreadable ``ipex_export.json``; weights outside the safetensors files of the folder; a
+            config.json that asks for remote code.
     """
     if not has_export(folder):
         return None
     meta = read_export_meta(folder, model_id)
-    if not is_data_only(meta):
-        return None
-    return check_folder(folder, reexport_hint(meta), deferred_suffix=".safetensors")
+    hint = reexport_hint(meta)
+    check = None
+    if is_data_only(meta) or os.path.lexists(os.path.join(folder, MANIFEST_NAME)):
+        check = check_folder(folder, hint, deferred_suffix=".safetensors")
+    if is_data_only(meta) or meta["backend"] == "torch":  # formats 1-2 of IPEX hold a graph archive instead
+        weight_files(folder, hint)
+    _check_no_remote_code(folder, hint)
+    return check
+
+
+def weight_files(folder: str, hint: str) -> list:
+    """The weight files transformers reads from an export folder, in its order of preference: ``model.safetensors``,
+    else the shards ``model.safetensors.index.json`` names. Each must be a plain ``*.safetensors`` name of a file in
+    the folder (a shard name could otherwise lead out of it, or to a pickle: transformers ``torch.load``s any other
+    suffix).
+
+    Raises:
+        FileNotFoundError: no safetensors weights (a pickle-only folder included).
+        ValueError: an unreadable index, or a shard name that is not a plain ``*.safetensors`` file of the folder.
+    """
+    from .checkpoint_loading import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    if os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)):
+        return [SAFE_WEIGHTS_NAME]
+    index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
+    if not os.path.isfile(index):
+        raise FileNotFoundError(f"{folder} holds no safetensors weights ({SAFE_WEIGHTS_NAME} or "
+                                f"{SAFE_WEIGHTS_INDEX_NAME}); an export holds no other kind: {hint}")
+    try:
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{index} is unreadable ({exc}); {hint}") from exc
+    for name in shards:
+        if not (isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
+                and name not in (".", "..") and os.path.isfile(os.path.join(folder, name))):
+            raise ValueError(f"{index} names the weight file {name!r}: not a .safetensors file of the folder (a shard "
+                             f"must be one); {hint}")
+    return shards
+
+
+def _check_no_remote_code(folder: str, hint: str) -> None:
+    """An export's config.json names no remote code (``auto_map``): transformers would fetch and run it under
+    ``trust_remote_code=True``."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ValueError(f"{path} is unreadable ({type(exc).__name__}); {hint}") from exc
+    if not isinstance(config, dict) or "auto_map" in config:
+        raise ValueError(f"{path} names remote code (auto_map); an export runs transformers' own classes and never "
+                         f"loads code: {hint}")
+    if "quantization_config" in config:
+        raise ValueError(f"{path} declares a quantization_config; an export holds plain fp32/bf16 weights: {hint}")
 
 
 def check_export_folder(folder: str, meta: dict, config) -> None:
@@ -199,10 +315,14 @@ def check_export_folder(folder: str, meta: dict, config) -> None:
     facts = meta.get("facts")
     if not isinstance(facts, dict):
         raise ValueError(f"{os.path.join(folder, EXPORT_CONFIG_NAME)} records no model facts; {hint}")
-    for name, recorded in facts.items():
-        if name not in RECORDED_CONFIG_FIELDS:
-            continue
+    for name in RECORDED_CONFIG_FIELDS:
         value = json.loads(json.dumps(getattr(config, name, None)))
+        if value is not None and name not in facts:
+            raise ValueError(f"{os.path.join(folder, EXPORT_CONFIG_NAME)} does not record {name} (config.json has "
+                             f"{value!r}); {hint}")
+        recorded = facts.get(name)
+        if value is None or recorded is None:
+            continue  # a field one transformers release keeps elsewhere (5.x: rope_theta in rope_parameters)
         if value != recorded:
             raise ValueError(
                 f"{os.path.join(folder, 'config.json')} says {name}={value!r}, but the export was built with "
@@ -215,12 +335,10 @@ def check_export_folder(folder: str, meta: dict, config) -> None:
 
 
 def _check_weight_dtypes(folder: str, dtype_name: str, hint: str) -> None:
-    """Every floating tensor of the folder's safetensors files is in ``dtype_name`` (headers only, no data read)."""
+    """Every floating tensor of the weight files transformers reads is in ``dtype_name`` (headers only)."""
     from safetensors import safe_open
 
-    names = [name for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")]
-    if not names:
-        raise FileNotFoundError(f"{folder} holds no safetensors weights; {hint}")
+    names = weight_files(folder, hint)
     expected = {"float32": "F32", "bfloat16": "BF16"}[dtype_name]
     for name in names:
         with safe_open(os.path.join(folder, name), framework="pt") as f:

@@ -39,11 +39,14 @@ SETTLED_NS = 2_000_000_000
 #: a saved model by ``tokenizer.save_pretrained``), hub and git files, documentation
 UNREAD_NAMES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json", ".gitattributes", "README.md",
-    "LICENSE",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json", ".gitattributes", "LICENSE",
 )
-#: suffixes of files that are never read by loading and hold no program (documentation, text, images)
-UNREAD_SUFFIXES = (".md", ".txt", ".png", ".jpg", ".jpeg", ".gif", ".svg")
+#: suffixes of files that are never read by loading and hold no program (tokenizer models and templates,
+#: documentation, text, images)
+UNREAD_SUFFIXES = (".model", ".tiktoken", ".jinja", ".md", ".txt", ".png", ".jpg", ".jpeg", ".gif", ".svg")
+#: names transformers' ``from_pretrained`` would follow out of the folder (a PEFT adapter names its base model and
+#: may hold pickled weights): refused in a data-only export, listed or not
+FOLLOWED_NAMES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 #: suffixes of programs and pickles (TorchScript, torch.save, Python, native libraries, NumPy/joblib/Keras files):
 #: a data-only export holds none, listed or not
 PROGRAM_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt", ".py", ".pyc", ".so", ".dll", ".dylib",
@@ -105,8 +108,8 @@ def read_manifest(folder: str, fix: str) -> Dict[str, dict]:
     try:
         with open(path) as f:
             manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"{path} is unreadable ({exc}); {fix}") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ManifestError(f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:200]}); {fix}") from exc
     if not isinstance(manifest, dict) or manifest.get("manifest_version") != MANIFEST_VERSION:
         raise ManifestError(f"{path} is not a manifest this package reads (manifest_version "
                             f"{MANIFEST_VERSION}); {fix}")
@@ -123,9 +126,9 @@ def check_folder(folder: str, fix: str, deferred_suffix: Optional[str] = None) -
     """Check every file of ``folder`` against its manifest before it is read: each listed file exists, is a regular
     file inside the folder (a link may point only within it) and has its size (all checked at once), then its sha256
     (one read of each file, which leaves it in the page cache for the load that follows); no file outside the
-    manifest could be read by loading (only :data:`UNREAD_NAMES` and :data:`UNREAD_SUFFIXES` may be added;
-    subfolders are not read); no file, listed or not, has one of :data:`PROGRAM_SUFFIXES`. ``fix``: what the error
-    messages advise.
+    manifest could be read by loading (only :data:`UNREAD_NAMES` and :data:`UNREAD_SUFFIXES` may be added, and
+    listed ones of them are not checked; subfolders are not read); no file, listed or not, has one of
+    :data:`PROGRAM_SUFFIXES` or is one of :data:`FOLLOWED_NAMES`. ``fix``: what the error messages advise.
 
     ``deferred_suffix`` (e.g. ``".safetensors"``): the sha256 of the files with that suffix is computed by a thread
     started here, while the caller reads them (their sizes are checked at once): wait for it with
@@ -141,12 +144,18 @@ def check_folder(folder: str, fix: str, deferred_suffix: Optional[str] = None) -
         if entry.name.lower().endswith(PROGRAM_SUFFIXES) and not entry.is_dir(follow_symlinks=False):
             raise ManifestError(f"{entry.path} is a program or pickle file; an export of this format holds data only "
                                 f"and loading never reads such a file: remove it, or {fix}")
+        if entry.name in FOLLOWED_NAMES:
+            raise ManifestError(f"{entry.path} would make transformers load another model (a PEFT adapter); an export "
+                                f"holds none: remove it, or {fix}")
         if entry.name == MANIFEST_NAME or entry.name in files or entry.is_dir(follow_symlinks=False):
             continue
-        if entry.name in UNREAD_NAMES or entry.name.startswith("LICENSE") or entry.name.endswith(UNREAD_SUFFIXES):
+        if is_unread(entry.name):
             continue
         raise ManifestError(f"{entry.path} is not in the folder's manifest, and loading could read it (weights, "
                             f"configuration, a pickle or a program); remove it, or {fix}")
+    # files loading never reads (a tokenizer saved beside the model, docs) are listed for reference, not checked: an
+    # edited chat template is no reason to refuse the model
+    files = {name: info for name, info in files.items() if not is_unread(name)}
     for name, info in files.items():
         path = os.path.join(folder, name)
         if not os.path.lexists(path):
@@ -169,37 +178,45 @@ def check_folder(folder: str, fix: str, deferred_suffix: Optional[str] = None) -
 
 
 class HashCheck:
-    """The sha256 of some files compared with their manifest entries, in this thread or in a thread of its own
-    (``hashlib`` and file reads release the GIL: on a CPU with a core to spare the check costs the load nothing).
+    """The sha256 of some files compared with their manifest entries, in this thread or, for ``background``, in a
+    thread of its own started by :func:`checked_while_loading` (``hashlib`` and file reads release the GIL: on a CPU
+    with a core to spare the check costs the load nothing). A check never started runs nothing.
 
-    ``wait()`` raises the :class:`ManifestError` of the first file that differs, naming it.
+    ``wait()`` raises the :class:`ManifestError` of the first file that differs, naming it; any other failure of the
+    check is a ManifestError too (it never passes a file it could not hash).
     """
 
     def __init__(self, items: List[Tuple[str, str]], fix: str, background: bool):
         self.items, self.fix, self.error = items, fix, None
         self._thread = None
-        if background and items:
+        self._background = background
+        if not background:
+            self._run()
+
+    def start(self) -> None:
+        if self._background and self._thread is None and self.items:
             self._thread = threading.Thread(target=self._run, name="optimum-ipex-spec sha256", daemon=True)
             self._thread.start()
-        else:
-            self._run()
 
     def _run(self) -> None:
         for path, expected in self.items:
-            if verified_before(path, expected):
-                continue
             try:
-                found = file_digest(path)
-            except OSError as exc:
-                self.error = ManifestError(f"{path} cannot be read ({exc}); {self.fix}")
+                if verified_before(path, expected):
+                    continue
+                found, identity = _digest_of_unchanged_file(path)
+            except BaseException as exc:  # noqa: B036 (a check that fails must not pass)
+                self.error = ManifestError(f"{path} could not be checked ({type(exc).__name__}: {exc}); {self.fix}")
                 return
             if found != expected:
                 self.error = ManifestError(f"{path} does not match the sha256 in its manifest (damaged or changed "
                                            f"after the save); {self.fix}")
                 return
-            record_verified(path, found)
+            if identity is not None:
+                record_verified(path, found, identity)
 
     def wait(self) -> None:
+        if self._background and self._thread is None:
+            self.start()
         if self._thread is not None:
             self._thread.join()
         if self.error is not None:
@@ -207,10 +224,12 @@ class HashCheck:
 
 
 @contextlib.contextmanager
-def checked_while_loading(check: Optional[HashCheck]) -> Iterator[None]:
-    """Run the body (the load that reads the files) while ``check`` runs; then wait for it. When the body fails and
-    the check finds a damaged file, the :class:`ManifestError` is raised (from the body's error): damage is named as
-    damage, not as whatever the reader made of it."""
+def checked_while_loading(check: Optional[HashCheck], wait: bool = True) -> Iterator[None]:
+    """Run the body (the load that reads the files) while ``check`` runs; then wait for it (``wait=False``: leave it
+    running for a later block). When the body fails and the check finds a damaged file, the :class:`ManifestError` is
+    raised (from the body's error): damage is named as damage, not as whatever the reader made of it."""
+    if check is not None:
+        check.start()
     try:
         yield
     except Exception as exc:
@@ -220,7 +239,7 @@ def checked_while_loading(check: Optional[HashCheck]) -> Iterator[None]:
             except ManifestError as damaged:
                 raise damaged from exc
         raise
-    if check is not None:
+    if check is not None and wait:
         check.wait()
 
 
@@ -233,12 +252,30 @@ def _verified_record(path: str) -> str:
     return os.path.join(str(default_cache_dir()), VERIFIED_DIR_NAME, f"{key}.json")
 
 
-def _identity(path: str) -> dict:
+def _identity(path: str, st=None) -> dict:
     """What changes whenever a file's bytes change: its device, inode, size and modification / status-change times
     in ns (the status-change time cannot be set by a program: any write or ``utime`` moves it)."""
-    st = os.stat(path)
+    st = st if st is not None else os.stat(path)
     return {"path": os.path.realpath(path), "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
             "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _digest_of_unchanged_file(path: str) -> Tuple[str, Optional[dict]]:
+    """The sha256 of ``path`` and its :func:`_identity` taken from the open file before the read, or None for the
+    identity when the file changed while it was read (then nothing may be recorded)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(HASH_PIECE_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        before = os.fstat(f.fileno())
+        while True:
+            n = f.readinto(view)
+            if not n:
+                break
+            digest.update(view[:n])
+        after = os.fstat(f.fileno())
+    identity = _identity(path, before)
+    return digest.hexdigest(), identity if identity == _identity(path, after) else None
 
 
 def verified_before(path: str, sha256: str) -> bool:
@@ -248,25 +285,29 @@ def verified_before(path: str, sha256: str) -> bool:
         with open(_verified_record(path)) as f:
             record = json.load(f)
         return record == {**_identity(path), "sha256": sha256}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):
         return False
 
 
-def record_verified(path: str, sha256: str) -> None:
-    """Remember that ``path``, as it is now, matched ``sha256`` (best effort: a cache that cannot be written only
-    means the next load hashes again)."""
+def record_verified(path: str, sha256: str, identity: dict) -> None:
+    """Remember that ``path``, with ``identity`` (taken before it was read, unchanged after), matched ``sha256``
+    (best effort: a cache that cannot be written only means the next load hashes again)."""
     try:
-        identity = _identity(path)
         if time.time_ns() - identity["ctime_ns"] < SETTLED_NS:
             return  # changed just now: a change within the clock's tick may keep these times ("racy git")
         record = _verified_record(path)
         os.makedirs(os.path.dirname(record), mode=0o700, exist_ok=True)
-        temporary = f"{record}.{os.getpid()}.partial"
+        temporary = f"{record}.{os.getpid()}.{threading.get_ident()}.partial"
         with open(temporary, "w") as f:
             json.dump({**identity, "sha256": sha256}, f)
         os.replace(temporary, record)
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: no home folder to hold the cache
         pass
+
+
+def is_unread(name: str) -> bool:
+    """True for a file name that loading an export never opens (:data:`UNREAD_NAMES`, :data:`UNREAD_SUFFIXES`)."""
+    return name in UNREAD_NAMES or name.endswith(UNREAD_SUFFIXES)
 
 
 def _plain_name(name: str) -> bool:

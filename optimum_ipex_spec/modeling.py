@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import transformers
@@ -36,6 +36,7 @@ from .export_folder import (
     check_export_files,
     check_export_folder,
     check_ipex_for_saved_graph,
+    carry_over,
     check_save_target,
     check_subfolder,
     export_meta,
@@ -159,6 +160,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         weights: str = "dense",
         torch_compile: bool = False,
         source_options: Optional[dict] = None,
+        origin: Optional[Tuple[str, dict]] = None,
     ):
         if backend not in ("ipex", "torch"):
             raise ValueError(f"backend must be 'ipex' or 'torch', got {backend!r}")
@@ -167,6 +169,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         self.source = source
         #: hub options that name ``source``'s checkpoint (``revision``, ``subfolder``), passed on by self_draft()
         self.source_options = dict(source_options or {})
+        self._origin = (origin[0], dict(origin[1] or {})) if origin and origin[0] else None
         self.last_speculation_stats = None
         self.last_strategy = None
         self.last_cost_model = None
@@ -194,6 +197,15 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
     @generation_config.setter
     def generation_config(self, value: GenerationConfig) -> None:
         self._generation_config = value
+
+    @property
+    def origin(self) -> Tuple[Optional[str], dict]:
+        """The checkpoint this model's weights were first exported from, ``(path or hub id, hub options)``: its
+        ``source`` and ``source_options``, except for a model loaded from a saved export (its ``source`` is then the
+        export's folder, which holds its weights) or a self-draft of one: then what the export recorded. Written to
+        ``ipex_export.json`` by ``save_pretrained`` and compared by KV sharing (a saved target and its saved draft
+        share; a folder that claims another origin can only cost the draft its acceptance, never the output)."""
+        return self._origin or (self.source, dict(self.source_options))
 
     @property
     def verify_model(self) -> Optional[torch.jit.ScriptModule]:
@@ -727,6 +739,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         else:
             draft = type(self).from_pretrained(self.source, export=True, torch_dtype=torch_dtype, backend=backend,
                                                torch_compile=torch_compile, **self.source_options)
+        draft._origin = self._origin  # the same weights: a draft of a loaded export keeps what the export recorded
         if draft._dtype == torch.bfloat16 and not onednn_bf16_available():
             _warn_emulated_bf16_draft(torch.backends.cpu.get_cpu_capability())
         # A copy of the target agrees with it almost always: stopping a draft block early on low draft
@@ -789,7 +802,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 f"model folder {model_id} does not exist; pass a transformers checkpoint folder, a folder written by "
                 "IPEXModelForCausalLM.save_pretrained, or a hub model id"
             )
-        check_subfolder(kwargs.get("subfolder"))
+        if os.path.isdir(model_id) and model_id.count("@") == 1:
+            raise ValueError(f"{model_id}: optimum reads 'name@revision' as a hub id and a revision, so a local folder "
+                             "whose path holds one '@' would be looked up elsewhere; rename the folder (or pass a "
+                             "link to it without '@')")
+        check_subfolder(kwargs.get("subfolder"), model_id)
         folder = checkpoint_folder(model_id, kwargs.get("subfolder"))
         # an export's files against its manifest, before its config is read; the weights' sha256 runs while they load
         kwargs["weights_check"] = check_export_files(folder, model_id)
@@ -859,14 +876,16 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         folder = checkpoint_folder(model_id, subfolder)
         if has_export(folder):
             meta = read_export_meta(folder, model_id)
-            if not is_data_only(meta):
+            if not is_data_only(meta) and meta["backend"] == "ipex":  # a graph archive, no weights
                 raise ValueError(
                     f"{model_id} is already an IPEX export (it has {EXPORT_CONFIG_NAME}): load it without export=True, "
                     "or export the original transformers checkpoint"
                 )
-            # a data-only export is a checkpoint too (self_draft reads it)
+            # a data-only export (or a pure-PyTorch one) is a checkpoint too (self_draft reads it)
             weights_check = weights_check or check_export_files(folder, model_id)
-            check_export_folder(folder, meta, config)
+            if is_data_only(meta):
+                with checked_while_loading(weights_check, wait=False):  # damage named as such, not as a parser's error
+                    check_export_folder(folder, meta, config)
         dtype = resolve_dtype(torch_dtype, config)
         load_kwargs = dict(
             revision=revision,
@@ -902,6 +921,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         weights: str = "dense",
         torch_compile: bool = False,
         source_options: Optional[dict] = None,
+        origin: Optional[Tuple[str, dict]] = None,
     ) -> "IPEXModelForCausalLM":
         """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
         if you still need the eager model, or want to export it again. ``weights="int8"`` (``backend="torch"``,
@@ -939,16 +959,17 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder: pass backend='auto' or "
                                  "'torch', or weights='dense' for IPEX")
             return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config,
-                       source=source, weights=weights, torch_compile=torch_compile, source_options=source_options)
+                       source=source, weights=weights, torch_compile=torch_compile, source_options=source_options,
+                       origin=origin)
         if torch_compile:  # the compiled step is our decoder's: "auto" means it, "ipex" cannot have it
             check_torch_compile("torch" if backend == "auto" else backend, model, dtype, weights)
             backend = "torch"
         if cls._choose_backend(backend, config, dtype) == "ipex":
             graphs = export_to_ipex(model, dtype)
             return cls(graphs.decode, config, backend="ipex", dtype=dtype, generation_config=generation_config,
-                       verify_model=graphs.verify, source=source, source_options=source_options)
+                       verify_model=graphs.verify, source=source, source_options=source_options, origin=origin)
         return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config, source=source,
-                   torch_compile=torch_compile, source_options=source_options)
+                   torch_compile=torch_compile, source_options=source_options, origin=origin)
 
     @classmethod
     def _from_pretrained(
@@ -998,7 +1019,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             return cls._from_legacy_export(model_id, folder, meta, config, dtype, backend, torch_compile,
                                            trust_torchscript)
         weights_check = weights_check or check_export_files(folder, model_id)  # from_pretrained started it
-        check_export_folder(folder, meta, config)
+        with checked_while_loading(weights_check, wait=False):  # damage named as such, not as a parser's error
+            check_export_folder(folder, meta, config)
         generation_config = GenerationConfig.from_pretrained(folder) if os.path.isfile(
             os.path.join(folder, "generation_config.json")) else GenerationConfig.from_model_config(config)
         if backend == "auto" and meta["backend"] == "torch":
@@ -1010,7 +1032,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             eager = load_causal_lm(folder, dtype, use_safetensors=True, trust_remote_code=False)
             model = cls.from_transformers_model(eager, dtype=dtype, backend=backend,
                                                 generation_config=generation_config, source=os.path.abspath(folder),
-                                                torch_compile=torch_compile)
+                                                torch_compile=torch_compile,
+                                                origin=(meta.get("source"), meta.get("source_options")))
         model.model_save_dir = folder
         return model
 
@@ -1054,9 +1077,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         log_unchecked_export_once(folder)
         eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, use_safetensors=True,
                                                      trust_remote_code=False)
+        # its weights are in the folder: the folder is its source (self_draft() reads it), never a recorded path
         return cls(eager.eval(), config, backend="torch", dtype=dtype, generation_config=generation_config,
-                   model_save_dir=folder, source=meta.get("source"), torch_compile=torch_compile,
-                   source_options=meta.get("source_options"))
+                   model_save_dir=folder, source=os.path.abspath(folder), torch_compile=torch_compile,
+                   origin=(meta.get("source"), meta.get("source_options")))
 
     def save_pretrained(self, save_directory: Union[str, Path], push_to_hub: bool = False, **kwargs) -> None:
         """Write this model as an export folder (format 3, data only): config.json, generation_config.json, the
@@ -1076,10 +1100,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         target = Path(os.path.abspath(os.path.expanduser(str(save_directory))))
         check_save_target(target)
-        with staged_directory(target) as staging:
+        with staged_directory(target, honour_umask=True) as staging:
             self._save_pretrained(staging)
             for preprocessor in self.preprocessors:
                 preprocessor.save_pretrained(staging)
+            carry_over(str(target), str(staging))  # a tokenizer, a README, the CLI's draft-bf16/
             write_manifest(str(staging))
         if push_to_hub:
             return self.push_to_hub(str(target), **kwargs)
@@ -1098,7 +1123,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                                  "exporting it, and export that folder with from_pretrained(folder, export=True)")
             # the checkpoint read again in the model's dtype, as the export read it; its config is the one the export
             # started from (IPEX's graphs are traced again from both when the folder is loaded)
-            eager = load_causal_lm(self.source, self._dtype, **self.source_options)
+            check = check_export_files(self.source, self.source) if os.path.isdir(self.source) else None
+            with checked_while_loading(check):  # a source that is a saved export is checked like any load of it
+                eager = load_causal_lm(self.source, self._dtype, **self.source_options)
             eager.save_pretrained(save_directory, safe_serialization=True)
             config = eager.config
             del eager
@@ -1113,9 +1140,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             self.model.save_pretrained(save_directory, state_dict=state_dict, safe_serialization=True)
         self.generation_config.save_pretrained(save_directory)
         ipex_version = ipex_status().ipex_version if self.backend == "ipex" else None
+        origin, origin_options = self.origin
         write_export_meta(save_directory, export_meta(self.backend, dtype_name(self._dtype),
-                                                      first_architecture(config), self.source, ipex_version,
-                                                      self.source_options, config))
+                                                      first_architecture(config), origin, ipex_version,
+                                                      origin_options, config))
 
 
 register_for_pipelines(IPEXModelForCausalLM.__name__)

@@ -25,7 +25,7 @@ Both hold post-RoPE keys by absolute position, so row ``i`` of one is row ``i`` 
 from __future__ import annotations
 
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -42,18 +42,25 @@ def _checkpoint(source: str) -> str:
     return os.path.realpath(source) if os.path.isdir(source) else source
 
 
+def _origin(model) -> Tuple[Optional[str], dict]:
+    """The checkpoint a model was exported from: our models' ``origin`` (for a loaded export, what it recorded), else
+    ``(None, {})``."""
+    origin = getattr(model, "origin", None)
+    return (origin[0], origin[1] or {}) if isinstance(origin, tuple) else (None, {})
+
+
 def shares_target_kv(target, draft) -> bool:
     """Whether ``draft`` can fill its cache from ``target``'s: both exported from the same checkpoint (the same
-    non-empty ``source``, a local folder however spelled: only our models have one; the same ``source_options``, a hub
-    id's revision and subfolder), the draft not turned off
+    non-empty ``origin``, a local folder however spelled: only our models have one; the same hub options, a hub id's
+    revision and subfolder; for a loaded export, what it recorded), the draft not turned off
     (``draft.share_target_kv = False``), with the same cache geometry (layers, KV heads, head size). Any other pair
     drafts from its own cache."""
-    source, draft_source = getattr(target, "source", None), getattr(draft, "source", None)
+    (source, options), (draft_source, draft_options) = _origin(target), _origin(draft)
     if not source or not draft_source or not getattr(draft, "share_target_kv", False):
         return False
     if _checkpoint(str(draft_source)) != _checkpoint(str(source)):
         return False
-    if getattr(target, "source_options", {}) != getattr(draft, "source_options", {}):  # another revision or subfolder
+    if options != draft_options:  # another revision or subfolder
         return False
     geometry = kv_geometry(target.config.get_text_config())
     return geometry is not None and geometry == kv_geometry(draft.config.get_text_config())

@@ -137,9 +137,156 @@ def test_unlisted_files_loading_could_read_are_refused_and_others_ignored(tiny_e
         (folder / name).write_text("{}")
     (folder / "notes").mkdir()
     IPEXModelForCausalLM.from_pretrained(folder)  # a tokenizer saved beside it, hub files, a subfolder
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
-    with pytest.raises(ManifestError, match="adapter_config.json is not in the folder's manifest"):
+    (folder / "extra_config.json").write_text("{}")
+    with pytest.raises(ManifestError, match="extra_config.json is not in the folder's manifest"):
         IPEXModelForCausalLM.from_pretrained(folder)
+    (folder / "extra_config.json").unlink()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "x/y"}))
+    for listed in (False, True):
+        if listed:
+            write_manifest(str(folder))
+        with pytest.raises(ManifestError, match="adapter_config.json would make transformers load another model"):
+            IPEXModelForCausalLM.from_pretrained(folder)
+
+
+def _shard(folder: Path, shard_name: str, tmp_path: Path) -> None:
+    """Turn the export's weights into a sharded checkpoint whose index names ``shard_name`` (the real weights moved
+    there, when it is a place a file can be written)."""
+    weights = folder / "model.safetensors"
+    from safetensors.torch import load_file
+
+    keys = list(load_file(weights))
+    target = Path(shard_name) if os.path.isabs(shard_name) else folder / shard_name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(weights, target)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        key: shard_name for key in keys}}))
+    write_manifest(str(folder))  # an attacker writes a manifest to match
+
+
+@pytest.mark.parametrize("shard_name", ["sub/weights.bin", "weights.data", "ABSOLUTE", "../outside.safetensors"])
+def test_a_sharded_index_may_name_only_safetensors_files_of_the_folder(shard_name, tiny_export, tmp_path,
+                                                                        monkeypatch):
+    """transformers joins each shard name onto the folder and torch.load()s any suffix but .safetensors: an index
+    naming a pickle, a subfolder's file or a path outside is refused before anything is read."""
+    folder = tiny_export()
+    if shard_name == "ABSOLUTE":
+        shard_name = str(tmp_path / "elsewhere.safetensors")
+    _shard(folder, shard_name, tmp_path)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load ran on a file of the folder"))
+    with pytest.raises(ValueError, match="model.safetensors.index.json names the weight file .*not a .safetensors "
+                                         "file of the folder"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+
+
+def test_a_sharded_export_of_plain_shards_loads(tiny_export, tiny_dir, tmp_path):
+    folder = tiny_export()
+    _shard(folder, "model-00001-of-00001.safetensors", tmp_path)
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dir("llama")).eval()
+    assert torch.equal(_greedy(IPEXModelForCausalLM.from_pretrained(folder)), _greedy(stock))
+
+
+def test_remote_code_in_an_export_config_is_refused(tiny_export):
+    folder = tiny_export()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "evil/repo--mod.Cls"}}))
+    write_manifest(str(folder))
+    for trust in (False, True):
+        with pytest.raises(ValueError, match=r"config.json names remote code \(auto_map\)"):
+            IPEXModelForCausalLM.from_pretrained(folder, trust_remote_code=trust)
+
+
+def test_a_folder_claiming_an_old_format_gets_no_source_and_its_manifest_checked(tiny_export, tmp_path):
+    """A folder that claims format 2 (pure-PyTorch: safetensors, no manifest) loads with a warning, reads its weights
+    from itself (self_draft() too), never from the source it records; a manifest it holds is checked all the same."""
+    folder = tiny_export()
+    _rewrite_meta(folder, format_version=2, source="someone/else-model", source_options={"revision": "evil"})
+    with pytest.raises(ManifestError, match="ipex_export.json (has|does not match)"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+    (folder / "manifest.json").unlink()
+    loaded = IPEXModelForCausalLM.from_pretrained(folder)
+    assert loaded.source == str(folder) and loaded.source_options == {}
+    (folder / "pytorch_model.bin").write_bytes(b"not read")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="holds no safetensors weights"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+
+
+def test_pickled_weights_are_never_loaded(tiny_dir, tmp_path, monkeypatch):
+    """A checkpoint folder whose weights are pytorch_model.bin only: refused with the conversion to run, nothing
+    unpickled (transformers would torch.load it, weights_only or not)."""
+    from conftest import build_tiny
+
+    build_tiny("llama").save_pretrained(tmp_path / "pickled", safe_serialization=False)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load ran on a file of the folder"))
+    for export in (True, False):
+        with pytest.raises(ValueError, match=r"holds its weights only as pickles \(pytorch_model.bin\).*"
+                                             r"safe_serialization=True"):
+            IPEXModelForCausalLM.from_pretrained(tmp_path / "pickled", export=export)
+
+
+def test_a_local_folder_with_an_at_sign_is_refused_not_looked_up_elsewhere(tiny_export, tmp_path):
+    folder = tiny_export()
+    shutil.copytree(folder, tmp_path / "model@v1")
+    with pytest.raises(ValueError, match="optimum reads 'name@revision' as a hub id"):
+        IPEXModelForCausalLM.from_pretrained(tmp_path / "model@v1")
+
+
+def test_missing_facts_a_quantization_config_and_a_damaged_header_are_named(tiny_export):
+    folder = tiny_export()
+    meta = json.loads((folder / "ipex_export.json").read_text())
+    _rewrite_meta(folder, facts={})
+    write_manifest(str(folder))
+    with pytest.raises(ValueError, match="does not record vocab_size"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+    _rewrite_meta(folder, facts=meta["facts"])
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitnet"}}))
+    write_manifest(str(folder))
+    with pytest.raises(ValueError, match="declares a quantization_config"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    write_manifest(str(folder))
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[9] = ord("[")  # the header's opening brace: the parser fails before the digest is compared
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match="model.safetensors does not match the sha256"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+
+
+def test_a_pure_pytorch_export_of_format_2_drafts_from_its_own_folder(tiny_export, tiny_dir):
+    folder = tiny_export()
+    _rewrite_meta(folder, format_version=2)
+    (folder / "manifest.json").unlink()
+    loaded = IPEXModelForCausalLM.from_pretrained(folder)
+    draft = loaded.self_draft(torch_dtype=torch.bfloat16, backend="torch")
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dir("llama")).eval()
+    ids = torch.tensor([[1, 5, 9, 200, 17, 4, 77, 31]])
+    got = loaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          assistant_model=draft)
+    assert torch.equal(got, _greedy(stock))
+
+
+def test_cli_overwrite_keeps_the_users_files_or_refuses(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    main_export(tiny_dir("llama"), str(out), backend="torch")
+    (out / "NOTES.md").write_text("mine")
+    (out / "results").mkdir()
+    (out / "results" / "run.csv").write_text("mine")
+    main_export(tiny_dir("llama"), str(out), backend="torch", overwrite=True)
+    assert (out / "NOTES.md").read_text() == "mine" and (out / "results" / "run.csv").read_text() == "mine"
+    (out / "my_eval.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"holds an export and files of yours \(my_eval.json\)"):
+        main_export(tiny_dir("llama"), str(out), backend="torch", overwrite=True)
+    assert (out / "my_eval.json").read_text() == "{}"
+
+
+def test_a_subfolder_that_links_out_is_refused(tiny_dir, tmp_path):
+    (tmp_path / "repo").mkdir()
+    os.symlink(tiny_dir("llama"), tmp_path / "repo" / "base")
+    with pytest.raises(ValueError, match="leads out of the model folder"):
+        IPEXModelForCausalLM.from_pretrained(str(tmp_path / "repo"), subfolder="base", export=True)
 
 
 # ----------------------------------------------------------------------------- damage goes noticed
@@ -231,13 +378,22 @@ def test_a_killed_save_leaves_the_old_export_or_nothing(tiny_dir, tiny_export, t
     assert not (tmp_path / "new").exists()
 
 
-def test_save_pretrained_replaces_only_an_export_or_an_empty_folder(tiny_dir, tmp_path):
+def test_save_pretrained_replaces_only_an_export_or_an_empty_folder(tiny_dir, tmp_path, monkeypatch):
     model = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, backend="torch")
     project = tmp_path / "project"
     project.mkdir()
     (project / "train.py").write_text("print('mine')")
-    with pytest.raises(ValueError, match="not empty and holds no export"):
+    with pytest.raises(ValueError, match=r"holds files that are not part of an export \(train.py\)"):
         model.save_pretrained(project)
+    model.save_pretrained(tmp_path / "mine")
+    (tmp_path / "mine" / "my_eval.json").write_text("{}")  # the user's file inside an export: not deleted either
+    with pytest.raises(ValueError, match=r"not part of an export \(my_eval.json\)"):
+        model.save_pretrained(tmp_path / "mine")
+    shutil.rmtree(tmp_path / "mine")
+    monkeypatch.chdir(project)
+    for here in (".", ".."):
+        with pytest.raises(ValueError, match="is the working directory, one of its parents"):
+            model.save_pretrained(here)
     assert os.listdir(project) == ["train.py"]
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
@@ -252,20 +408,53 @@ def test_save_pretrained_replaces_only_an_export_or_an_empty_folder(tiny_dir, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "empty", "link", "project"]
 
 
-@pytest.mark.parametrize("where", ["cwd", "parent", "home", "symlink", "user-folder"])
-def test_cli_overwrite_refuses_folders_that_are_not_exports(where, tiny_dir, tmp_path, monkeypatch):
+def test_save_keeps_the_tokenizer_readme_and_draft_beside_the_export(tiny_dir, tmp_path, tokenizer):
+    """transformers' habit: the tokenizer saved first (or after) into the same folder, a README, the CLI's
+    draft-bf16/ export; a save over the folder keeps them (its manifest lists them), and still loads."""
+    folder = tmp_path / "export"
+    tokenizer.save_pretrained(folder)  # the tokenizer first
+    model = IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, backend="torch")
+    model.save_pretrained(folder)
+    (folder / "README.md").write_text("# my model")
+    model.self_draft(torch_dtype=torch.bfloat16, backend="torch").save_pretrained(folder / "draft-bf16")
+    before = sorted(os.listdir(folder))
+    IPEXModelForCausalLM.from_pretrained(folder).save_pretrained(folder)  # over itself
+    assert sorted(os.listdir(folder)) == before and "tokenizer_config.json" in before
+    assert "README.md" in json.loads((folder / "manifest.json").read_text())["files"]
+    loaded = IPEXModelForCausalLM.from_pretrained(folder)
+    draft = IPEXModelForCausalLM.from_pretrained(folder / "draft-bf16")
+    assert loaded.origin == draft.origin == (tiny_dir("llama"), {})
+    stock = AutoModelForCausalLM.from_pretrained(tiny_dir("llama")).eval()
+    assert torch.equal(_greedy(loaded), _greedy(stock))
+    ids = torch.tensor([[1, 5, 9, 200, 17, 4, 77, 31]])
+    got = loaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          assistant_model=draft)
+    assert torch.equal(got, _greedy(stock)) and draft.last_speculation_stats.shared_rows > 0
+
+
+@pytest.mark.parametrize("where, message", [
+    ("cwd", "is the working directory"), ("parent", "is the working directory, one of its parents"),
+    ("home", "the home folder"), ("symlink", "is a symbolic link"), ("user-folder", "holds no export of ours")])
+def test_cli_overwrite_refuses_folders_that_are_not_exports(where, message, tiny_dir, tmp_path, monkeypatch):
     work = tmp_path / "work" / "project"
     work.mkdir(parents=True)
     (work / "mine.txt").write_text("user data")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "mine.txt").write_text("user data")
     monkeypatch.chdir(work)
-    monkeypatch.setenv("HOME", str(tmp_path / "work"))
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "mine.txt").write_text("user data")
+    monkeypatch.setenv("HOME", str(home))
     output = {"cwd": ".", "parent": "..", "home": "~", "symlink": str(tmp_path / "link"),
-              "user-folder": str(work)}[where]
+              "user-folder": str(other)}[where]
     if where == "symlink":
-        os.symlink(work, tmp_path / "link")
-    with pytest.raises(ExportError, match="working directory|symbolic link|holds no export of ours"):
+        os.symlink(other, tmp_path / "link")
+    with pytest.raises(ExportError, match=message):
         main_export(tiny_dir("llama"), output, overwrite=True, backend="torch")
-    assert (work / "mine.txt").read_text() == "user data"
+    for folder in (work, other, home):
+        assert (folder / "mine.txt").read_text() == "user data"
 
 
 # ----------------------------------------------------------------------------- sources
@@ -317,8 +506,9 @@ def test_a_file_verified_before_is_not_hashed_again_until_it_changes(tiny_export
     folder = tiny_export()
     monkeypatch.setattr(manifest, "SETTLED_NS", 0)  # the files were written a moment ago
     hashed = []
-    digest = manifest.file_digest
-    monkeypatch.setattr(manifest, "file_digest", lambda path: hashed.append(os.path.basename(path)) or digest(path))
+    digest = manifest._digest_of_unchanged_file
+    monkeypatch.setattr(manifest, "_digest_of_unchanged_file",
+                        lambda path: hashed.append(os.path.basename(path)) or digest(path))
     IPEXModelForCausalLM.from_pretrained(folder)
     assert "model.safetensors" in hashed and os.listdir(tmp_path / "cache" / "_verified")
     hashed.clear()

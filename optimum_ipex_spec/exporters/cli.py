@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from ..export_folder import has_export
+from ..export_folder import carry_over, foreign_files, has_export
 from ..facts import EXPORT_CONFIG_NAME, TASKS
 from ..manifest import write_manifest
 from ..utils.fs import looks_like_local_path, staged_directory
@@ -94,6 +94,11 @@ def _check_output(output: Path, overwrite: bool, model_id: str) -> None:
             raise ExportError(f"output folder {output} is not empty and holds no export of ours ({EXPORT_CONFIG_NAME} "
                               "missing): --overwrite replaces only an earlier export or an empty folder; choose "
                               "another output folder or empty this one yourself")
+        others = foreign_files(str(output))
+        if others:
+            raise ExportError(f"output folder {output} holds an export and files of yours ({', '.join(others[:5])}): "
+                              "--overwrite would delete them (a tokenizer, docs and subfolders are kept); move them "
+                              "first, or choose another output folder")
 
 
 def _load_config(model_id: str, **hub):
@@ -165,7 +170,6 @@ def main_export(
         steps.set_postfix_str("saving")
         exported.save_pretrained(staging)
         tokenizer = _save_tokenizer(model_id, staging, hub)
-        write_manifest(str(staging))  # the tokenizer's files listed too
         steps.update(1)
         if with_draft:
             steps.set_postfix_str("exporting the bf16 draft")
@@ -173,6 +177,8 @@ def main_export(
             draft.save_pretrained(staging / "draft-bf16")
             steps.update(1)
         del exported
+        carry_over(str(output_path), str(staging))  # an earlier export's README, notes folder, ...
+        write_manifest(str(staging))  # the tokenizer's files listed too
     steps.set_postfix_str("validating")
     report = validate_export(output_path, model_id, tokenizer, atol, hub)
     steps.update(2)

@@ -21,18 +21,25 @@ def looks_like_local_path(model_id: str) -> bool:
 
 
 @contextlib.contextmanager
-def staged_directory(target: Path) -> Iterator[Path]:
+def staged_directory(target: Path, honour_umask: bool = False) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``target`` (hidden: ``.<name>-…``); when the body succeeds, it takes
-    ``target``'s place (world-readable) by :func:`replace_directory`, otherwise it is removed. A process killed in the
-    body leaves ``target`` as it was, and the hidden sibling."""
+    ``target``'s place by :func:`replace_directory`, otherwise it is removed. A process killed in the body leaves
+    ``target`` as it was, and the hidden sibling. The result is world-readable, or with ``honour_umask`` has the modes
+    the process's umask gives new files (mkdtemp makes the sibling private, safetensors its files owner-only).
+    Safe against a killed process, not a power loss (nothing is fsync'ed)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    mask = 0o022
+    if honour_umask:
+        mask = os.umask(0)
+        os.umask(mask)
     try:
         yield staging
-        staging.chmod(0o755)  # mkdtemp makes it private
-        for path in staging.rglob("*"):  # safetensors writes its files owner-only
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        staging.chmod(0o777 & ~mask)
+        for path in staging.rglob("*"):
+            if not path.is_symlink():
+                path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
         replace_directory(staging, target)
     finally:
         if staging.exists():
@@ -52,8 +59,28 @@ def replace_directory(new: Path, target: Path) -> None:
     aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-old-", dir=target.parent))
     aside.rmdir()
     target.rename(aside)
-    new.rename(target)
+    try:
+        new.rename(target)
+    except BaseException:
+        aside.rename(target)  # the old folder back in its place
+        raise
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def link_or_copy(source: Path, destination: Path) -> None:
+    """``destination`` as a hard link of file ``source`` (or, for a folder, a tree of hard links), copying where links
+    cannot be made: the original stays whole whatever happens to the copy."""
+    def one(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+        return dst
+
+    if os.path.isdir(source):
+        shutil.copytree(source, destination, symlinks=True, copy_function=one)
+    else:
+        one(source, destination)
 
 
 def _exchange(a: Path, b: Path) -> bool:
