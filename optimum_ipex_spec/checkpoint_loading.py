@@ -80,7 +80,8 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, **kwargs) -> PreTrainedMod
     checkpoint could run code when loaded.
 
     Raises:
-        ValueError: a local folder whose weights are pickles only (``pytorch_model.bin``, ...), naming the conversion.
+        ValueError: a local folder whose weights are pickles only (``pytorch_model.bin``, ...), naming the conversion;
+            one holding a PEFT adapter, or an index naming shards that are not ``.safetensors`` files of the folder.
         Whatever transformers' ``from_pretrained`` raises for the checkpoint (the converting path checks first
         and hands every case it does not cover to transformers); OSError if a weights file is shorter than its
         header says.
@@ -94,6 +95,8 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, **kwargs) -> PreTrainedMod
                 f"{folder} holds its weights only as pickles ({', '.join(pickled[:3])}); loading a pickle can run "
                 "code, and optimum-ipex-spec reads safetensors only. Convert the checkpoint once, where you trust it: "
                 "AutoModelForCausalLM.from_pretrained(folder).save_pretrained(new_folder, safe_serialization=True)")
+    if os.path.isdir(folder):
+        _check_local_files(folder)
     plan = conversion_plan(folder, dtype, kwargs)
     if plan is None:
         return AutoModelForCausalLM.from_pretrained(model_id, **{**kwargs, _dtype_kwarg(): dtype})
@@ -108,6 +111,20 @@ def load_causal_lm(model_id: str, dtype: torch.dtype, **kwargs) -> PreTrainedMod
     _read_into(model, entries)
     model.generation_config = GenerationConfig.from_pretrained(folder)  # conversion_plan required the file
     return model.eval()
+
+
+def _check_local_files(folder: str) -> None:
+    """What transformers would follow out of a local checkpoint folder, refused: a PEFT adapter (it names a base model
+    and may hold pickled weights) and an index whose shard names are not ``.safetensors`` files of the folder."""
+    from .export_folder import weight_files
+    from .manifest import FOLLOWED_NAMES
+
+    adapters = [name for name in FOLLOWED_NAMES if os.path.lexists(os.path.join(folder, name))]
+    if adapters:
+        raise ValueError(f"{folder} holds a PEFT adapter ({adapters[0]}): transformers would load the base model it "
+                         "names, and its weights may be pickled. Merge the adapter into its base model where you trust "
+                         "it (peft's merge_and_unload(), then save_pretrained) and pass that folder")
+    weight_files(folder, "a checkpoint's weights must be .safetensors files of its own folder")
 
 
 def conversion_plan(folder: str, dtype: torch.dtype, kwargs: dict) -> Optional[Tuple[object, Dict[str, TensorEntry]]]:

@@ -31,7 +31,7 @@ from .facts import (
     IPEX_PIP_COMMAND,
     IPEX_VERIFY_GRAPH_NAME,
 )
-from .manifest import HashCheck, check_folder, is_unread
+from .manifest import TOKENIZER_SUFFIXES, HashCheck, check_folder, check_names, is_unread
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -40,6 +40,9 @@ logger = logging.getLogger("optimum_ipex_spec")
 #: from them
 RECORDED_CONFIG_FIELDS = ("vocab_size", "max_position_embeddings", "n_positions", "num_hidden_layers", "hidden_size",
                           "num_attention_heads", "num_key_value_heads", "rope_theta", "rope_scaling")
+#: the recorded facts every export has in every transformers release (the others are compared where both the
+#: record and this release's config have them: 5.x keeps rope_theta in rope_parameters)
+REQUIRED_FACTS = ("vocab_size", "max_position_embeddings", "n_positions", "num_hidden_layers", "hidden_size")
 
 
 def check_save_target(target) -> None:
@@ -69,17 +72,25 @@ def check_save_target(target) -> None:
                          "empty folder, or move those files first")
 
 
+#: the tokenizer's files by name (:func:`is_tokenizer_file`)
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "chat_template.json")
 #: files an export folder of any format may hold (besides its manifest's, tokenizer files, docs and subfolders)
 EXPORT_FILE_NAMES = ("config.json", "generation_config.json", EXPORT_CONFIG_NAME, MANIFEST_NAME, IPEX_GRAPH_NAME,
                      IPEX_VERIFY_GRAPH_NAME, "model.safetensors", "model.safetensors.index.json")
 
 
 def foreign_files(folder: str) -> list:
-    """The files of ``folder`` that a save over it would delete and that are not an export's: everything but
-    :data:`EXPORT_FILE_NAMES`, weight shards, files its manifest lists, files loading never reads, and subfolders
-    (the last three are carried over). Empty for a folder that does not exist."""
+    """The entries of ``folder`` that a save over it would delete and that are not an export's. In a folder holding an
+    export of ours (``ipex_export.json``): everything but :data:`EXPORT_FILE_NAMES`, weight shards, files its manifest
+    lists, files loading never reads and subfolders (the last two are carried over). In any other folder (a
+    checkpoint, a folder of folders): everything but files loading never reads (a tokenizer saved there first).
+    Empty for a folder that does not exist."""
     if not os.path.isdir(folder):
         return []
+    if not has_export(folder):
+        return sorted(entry.name for entry in os.scandir(folder)
+                      if entry.is_dir(follow_symlinks=False) or entry.is_symlink() or not is_unread(entry.name))
     listed = set()
     if os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
         try:
@@ -93,25 +104,37 @@ def foreign_files(folder: str) -> list:
                   and not re.fullmatch(r"model-\d+-of-\d+\.safetensors", entry.name))
 
 
-def carry_over(old: str, new: str) -> None:
-    """Keep in the new export ``new`` what the old folder ``old`` held besides its export: files loading never reads
-    (a tokenizer saved beside the model, a README) and subfolders (the CLI's ``draft-bf16``, an export with its own
-    manifest), as hard links (copies where links cannot be made), unless ``new`` has its own."""
+def carry_over(old: str, new: str, skip: tuple = ()) -> list:
+    """Keep in the new export ``new`` what the old folder ``old`` held besides its export (:func:`carried_over`), as
+    hard links (copies where links cannot be made): the files share the old folder's inodes, which the swap then
+    deletes. The old tokenizer's files only when the new save wrote none (a tokenizer is kept whole, never mixed);
+    ``skip``: names the caller writes itself (the CLI's ``draft-bf16``). Returns the names carried."""
     from .utils.fs import link_or_copy
 
+    new_has_tokenizer = any(is_tokenizer_file(name) for name in os.listdir(new))
+    carried = []
     for name in carried_over(old):
+        if name in skip or (new_has_tokenizer and is_tokenizer_file(name)):
+            continue
         if not os.path.lexists(os.path.join(new, name)):
             link_or_copy(os.path.join(old, name), os.path.join(new, name))
+            carried.append(name)
+    return carried
+
+
+def is_tokenizer_file(name: str) -> bool:
+    return name in TOKENIZER_NAMES or name.endswith(TOKENIZER_SUFFIXES)
 
 
 def carried_over(folder: str) -> list:
     """The entries of an existing export folder (or of one holding only files loading never reads) that a new save
     keeps: files loading never reads (a tokenizer saved beside the model, a README) and subfolders (the CLI's
-    ``draft-bf16``, an export with its own manifest)."""
+    ``draft-bf16``, an export with its own manifest); never hidden entries (a killed save's leftovers, caches) or
+    links."""
     if not os.path.isdir(folder):
         return []
     return sorted(entry.name for entry in os.scandir(folder)
-                  if entry.name != MANIFEST_NAME and not entry.is_symlink()
+                  if entry.name != MANIFEST_NAME and not entry.name.startswith(".") and not entry.is_symlink()
                   and (entry.is_dir() or (entry.is_file() and is_unread(entry.name))))
 
 
@@ -248,8 +271,10 @@ def check_export_files(folder: str, model_id: str) -> Optional[HashCheck]:
     meta = read_export_meta(folder, model_id)
     hint = reexport_hint(meta)
     check = None
+    graph_archives = () if is_data_only(meta) else (IPEX_GRAPH_NAME, IPEX_VERIFY_GRAPH_NAME)  # trust_torchscript
+    check_names(folder, hint, allowed=graph_archives)
     if is_data_only(meta) or os.path.lexists(os.path.join(folder, MANIFEST_NAME)):
-        check = check_folder(folder, hint, deferred_suffix=".safetensors")
+        check = check_folder(folder, hint, deferred_suffix=".safetensors", allowed=graph_archives)
     if is_data_only(meta) or meta["backend"] == "torch":  # formats 1-2 of IPEX hold a graph archive instead
         weight_files(folder, hint)
     _check_no_remote_code(folder, hint)
@@ -268,7 +293,15 @@ def weight_files(folder: str, hint: str) -> list:
     """
     from .checkpoint_loading import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
+    root = os.path.realpath(folder)
+
+    def inside(name: str) -> bool:
+        path = os.path.realpath(os.path.join(folder, name))
+        return os.path.commonpath([root, path]) == root and os.path.isfile(path)
+
     if os.path.isfile(os.path.join(folder, SAFE_WEIGHTS_NAME)):
+        if not inside(SAFE_WEIGHTS_NAME):
+            raise ValueError(f"{os.path.join(folder, SAFE_WEIGHTS_NAME)} is a link out of the folder; {hint}")
         return [SAFE_WEIGHTS_NAME]
     index = os.path.join(folder, SAFE_WEIGHTS_INDEX_NAME)
     if not os.path.isfile(index):
@@ -281,7 +314,7 @@ def weight_files(folder: str, hint: str) -> list:
         raise ValueError(f"{index} is unreadable ({exc}); {hint}") from exc
     for name in shards:
         if not (isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and "\\" not in name
-                and name not in (".", "..") and os.path.isfile(os.path.join(folder, name))):
+                and name not in (".", "..") and inside(name)):
             raise ValueError(f"{index} names the weight file {name!r}: not a .safetensors file of the folder (a shard "
                              f"must be one); {hint}")
     return shards
@@ -317,7 +350,7 @@ def check_export_folder(folder: str, meta: dict, config) -> None:
         raise ValueError(f"{os.path.join(folder, EXPORT_CONFIG_NAME)} records no model facts; {hint}")
     for name in RECORDED_CONFIG_FIELDS:
         value = json.loads(json.dumps(getattr(config, name, None)))
-        if value is not None and name not in facts:
+        if value is not None and name in REQUIRED_FACTS and facts.get(name) is None:
             raise ValueError(f"{os.path.join(folder, EXPORT_CONFIG_NAME)} does not record {name} (config.json has "
                              f"{value!r}); {hint}")
         recorded = facts.get(name)

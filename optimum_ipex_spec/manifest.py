@@ -39,8 +39,10 @@ SETTLED_NS = 2_000_000_000
 #: a saved model by ``tokenizer.save_pretrained``), hub and git files, documentation
 UNREAD_NAMES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "chat_template.json", "preprocessor_config.json", "processor_config.json", ".gitattributes", "LICENSE",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json", ".gitattributes", ".DS_Store",
 )
+#: names of the tokenizer's own files (carried over from an old folder only when a save writes no tokenizer)
+TOKENIZER_SUFFIXES = (".model", ".tiktoken", ".jinja")
 #: suffixes of files that are never read by loading and hold no program (tokenizer models and templates,
 #: documentation, text, images)
 UNREAD_SUFFIXES = (".model", ".tiktoken", ".jinja", ".md", ".txt", ".png", ".jpg", ".jpeg", ".gif", ".svg")
@@ -122,7 +124,8 @@ def read_manifest(folder: str, fix: str) -> Dict[str, dict]:
     return files
 
 
-def check_folder(folder: str, fix: str, deferred_suffix: Optional[str] = None) -> "HashCheck":
+def check_folder(folder: str, fix: str, deferred_suffix: Optional[str] = None,
+                 allowed: Tuple[str, ...] = ()) -> "HashCheck":
     """Check every file of ``folder`` against its manifest before it is read: each listed file exists, is a regular
     file inside the folder (a link may point only within it) and has its size (all checked at once), then its sha256
     (one read of each file, which leaves it in the page cache for the load that follows); no file outside the
@@ -140,13 +143,8 @@ def check_folder(folder: str, fix: str, deferred_suffix: Optional[str] = None) -
     """
     files = read_manifest(folder, fix)
     root = os.path.realpath(folder)
+    check_names(folder, fix, allowed)
     for entry in os.scandir(folder):
-        if entry.name.lower().endswith(PROGRAM_SUFFIXES) and not entry.is_dir(follow_symlinks=False):
-            raise ManifestError(f"{entry.path} is a program or pickle file; an export of this format holds data only "
-                                f"and loading never reads such a file: remove it, or {fix}")
-        if entry.name in FOLLOWED_NAMES:
-            raise ManifestError(f"{entry.path} would make transformers load another model (a PEFT adapter); an export "
-                                f"holds none: remove it, or {fix}")
         if entry.name == MANIFEST_NAME or entry.name in files or entry.is_dir(follow_symlinks=False):
             continue
         if is_unread(entry.name):
@@ -177,6 +175,25 @@ def check_folder(folder: str, fix: str, deferred_suffix: Optional[str] = None) -
                       if deferred_suffix and name.endswith(deferred_suffix)], fix, background=True)
 
 
+def check_names(folder: str, fix: str, allowed: Tuple[str, ...] = ()) -> None:
+    """Refuse a folder holding, at its top level, a program or pickle (:data:`PROGRAM_SUFFIXES`, any letter case)
+    or a file transformers would follow to another model (:data:`FOLLOWED_NAMES`); ``allowed``: names let through
+    (formats 1-2's graph archives, loaded only under ``trust_torchscript``).
+
+    Raises:
+        ManifestError: naming the file.
+    """
+    for entry in os.scandir(folder):
+        if entry.name in allowed or entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.name.lower().endswith(PROGRAM_SUFFIXES):
+            raise ManifestError(f"{entry.path} is a program or pickle file; an export holds data only and loading "
+                                f"never reads such a file: remove it, or {fix}")
+        if entry.name in FOLLOWED_NAMES:
+            raise ManifestError(f"{entry.path} would make transformers load another model (a PEFT adapter); an export "
+                                f"holds none: remove it, or {fix}")
+
+
 class HashCheck:
     """The sha256 of some files compared with their manifest entries, in this thread or, for ``background``, in a
     thread of its own started by :func:`checked_while_loading` (``hashlib`` and file reads release the GIL: on a CPU
@@ -199,20 +216,22 @@ class HashCheck:
             self._thread.start()
 
     def _run(self) -> None:
+        self.error = ManifestError(f"the sha256 check did not finish; {self.fix}")  # cleared only at the end
         for path, expected in self.items:
             try:
                 if verified_before(path, expected):
                     continue
                 found, identity = _digest_of_unchanged_file(path)
-            except BaseException as exc:  # noqa: B036 (a check that fails must not pass)
+                if found != expected:
+                    self.error = ManifestError(f"{path} does not match the sha256 in its manifest (damaged or "
+                                               f"changed after the save); {self.fix}")
+                    return
+                if identity is not None:
+                    record_verified(path, found, identity)
+            except Exception as exc:  # a check that fails must not pass
                 self.error = ManifestError(f"{path} could not be checked ({type(exc).__name__}: {exc}); {self.fix}")
                 return
-            if found != expected:
-                self.error = ManifestError(f"{path} does not match the sha256 in its manifest (damaged or changed "
-                                           f"after the save); {self.fix}")
-                return
-            if identity is not None:
-                record_verified(path, found, identity)
+        self.error = None
 
     def wait(self) -> None:
         if self._background and self._thread is None:
@@ -306,8 +325,10 @@ def record_verified(path: str, sha256: str, identity: dict) -> None:
 
 
 def is_unread(name: str) -> bool:
-    """True for a file name that loading an export never opens (:data:`UNREAD_NAMES`, :data:`UNREAD_SUFFIXES`)."""
-    return name in UNREAD_NAMES or name.endswith(UNREAD_SUFFIXES)
+    """True for a file name that loading an export never opens (:data:`UNREAD_NAMES`, :data:`UNREAD_SUFFIXES`,
+    ``LICENSE*`` / ``NOTICE*`` that are not JSON or weights)."""
+    return name in UNREAD_NAMES or name.endswith(UNREAD_SUFFIXES) or (
+        name.startswith(("LICENSE", "NOTICE")) and not name.endswith((".json", ".safetensors")))
 
 
 def _plain_name(name: str) -> bool:

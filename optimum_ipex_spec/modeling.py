@@ -802,10 +802,13 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 f"model folder {model_id} does not exist; pass a transformers checkpoint folder, a folder written by "
                 "IPEXModelForCausalLM.save_pretrained, or a hub model id"
             )
-        if os.path.isdir(model_id) and model_id.count("@") == 1:
-            raise ValueError(f"{model_id}: optimum reads 'name@revision' as a hub id and a revision, so a local folder "
-                             "whose path holds one '@' would be looked up elsewhere; rename the folder (or pass a "
-                             "link to it without '@')")
+        if os.path.isdir(model_id) and model_id.count("@") == 1:  # optimum would split off a "revision"
+            relative = os.path.relpath(model_id)
+            if relative.count("@") == 1:
+                raise ValueError(f"{model_id}: optimum reads 'name@revision' as a hub id and a revision, so a local "
+                                 "folder whose path holds one '@' would be looked up elsewhere; rename the folder, pass "
+                                 "a link to it without '@', or (provisioned models) set OPTIMUM_IPEX_SPEC_CACHE")
+            model_id = relative
         check_subfolder(kwargs.get("subfolder"), model_id)
         folder = checkpoint_folder(model_id, kwargs.get("subfolder"))
         # an export's files against its manifest, before its config is read; the weights' sha256 runs while they load
@@ -874,6 +877,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
     ) -> "IPEXModelForCausalLM":
         check_causal_lm_config(config, model_id)
         folder = checkpoint_folder(model_id, subfolder)
+        origin = None
         if has_export(folder):
             meta = read_export_meta(folder, model_id)
             if not is_data_only(meta) and meta["backend"] == "ipex":  # a graph archive, no weights
@@ -881,7 +885,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                     f"{model_id} is already an IPEX export (it has {EXPORT_CONFIG_NAME}): load it without export=True, "
                     "or export the original transformers checkpoint"
                 )
-            # a data-only export (or a pure-PyTorch one) is a checkpoint too (self_draft reads it)
+            # a data-only export (or a pure-PyTorch one) is a checkpoint too (self_draft reads it): no remote code, and
+            # what it recorded stays its origin
+            trust_remote_code = False
+            origin = (meta.get("source"), meta.get("source_options") or {})
             weights_check = weights_check or check_export_files(folder, model_id)
             if is_data_only(meta):
                 with checked_while_loading(weights_check, wait=False):  # damage named as such, not as a parser's error
@@ -907,7 +914,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             source_options = {key: value for key, value in (("revision", revision), ("subfolder", subfolder)) if value}
         return cls.from_transformers_model(
             eager, dtype=dtype, backend=backend, generation_config=eager.generation_config, source=source,
-            torch_compile=torch_compile, source_options=source_options,
+            torch_compile=torch_compile, source_options=source_options, origin=origin,
         )
 
     @classmethod
@@ -1017,7 +1024,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         if not is_data_only(meta):
             return cls._from_legacy_export(model_id, folder, meta, config, dtype, backend, torch_compile,
-                                           trust_torchscript)
+                                           trust_torchscript, weights_check)
         weights_check = weights_check or check_export_files(folder, model_id)  # from_pretrained started it
         with checked_while_loading(weights_check, wait=False):  # damage named as such, not as a parser's error
             check_export_folder(folder, meta, config)
@@ -1039,7 +1046,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 
     @classmethod
     def _from_legacy_export(cls, model_id: str, folder: str, meta: dict, config: PretrainedConfig, dtype: torch.dtype,
-                            backend: str, torch_compile: bool, trust_torchscript: bool) -> "IPEXModelForCausalLM":
+                            backend: str, torch_compile: bool, trust_torchscript: bool,
+                            weights_check: Optional[HashCheck] = None) -> "IPEXModelForCausalLM":
         """Load an export of format 1 or 2 (before the manifest): a TorchScript archive for IPEX, transformers'
         weights for the pure-PyTorch path."""
         try:
@@ -1074,9 +1082,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 f"{model_id} holds a pure-PyTorch export (backend 'torch'); backend='ipex' needs a new export from "
                 f"the original checkpoint: {reexport_hint(meta)}"
             )
-        log_unchecked_export_once(folder)
-        eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, use_safetensors=True,
-                                                     trust_remote_code=False)
+        if weights_check is None:
+            log_unchecked_export_once(folder)
+        with checked_while_loading(weights_check):  # a manifest it holds is checked, whatever format it claims
+            eager = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype, use_safetensors=True,
+                                                         trust_remote_code=False)
         # its weights are in the folder: the folder is its source (self_draft() reads it), never a recorded path
         return cls(eager.eval(), config, backend="torch", dtype=dtype, generation_config=generation_config,
                    model_save_dir=folder, source=os.path.abspath(folder), torch_compile=torch_compile,
@@ -1100,11 +1110,12 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         target = Path(os.path.abspath(os.path.expanduser(str(save_directory))))
         check_save_target(target)
-        with staged_directory(target, honour_umask=True) as staging:
+        kept = []
+        with staged_directory(target, honour_umask=True, keep=kept) as staging:
             self._save_pretrained(staging)
             for preprocessor in self.preprocessors:
                 preprocessor.save_pretrained(staging)
-            carry_over(str(target), str(staging))  # a tokenizer, a README, the CLI's draft-bf16/
+            kept += carry_over(str(target), str(staging))  # a tokenizer, a README, the CLI's draft-bf16/
             write_manifest(str(staging))
         if push_to_hub:
             return self.push_to_hub(str(target), **kwargs)

@@ -206,9 +206,19 @@ def test_a_folder_claiming_an_old_format_gets_no_source_and_its_manifest_checked
     (folder / "manifest.json").unlink()
     loaded = IPEXModelForCausalLM.from_pretrained(folder)
     assert loaded.source == str(folder) and loaded.source_options == {}
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "x/y"}))
+    with pytest.raises(ManifestError, match="adapter_config.json would make transformers load another model"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+    (folder / "adapter_config.json").unlink()
     (folder / "pytorch_model.bin").write_bytes(b"not read")
-    (folder / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="holds no safetensors weights"):
+    with pytest.raises(ManifestError, match="pytorch_model.bin is a program or pickle file"):
+        IPEXModelForCausalLM.from_pretrained(folder)
+    (folder / "pytorch_model.bin").unlink()
+    write_manifest(str(folder))  # a manifest in a folder claiming format 2: its weights' sha256 is checked too
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ManifestError, match="model.safetensors does not match the sha256"):
         IPEXModelForCausalLM.from_pretrained(folder)
 
 
@@ -403,11 +413,16 @@ def test_save_pretrained_replaces_only_an_export_or_an_empty_folder(tiny_dir, tm
     os.symlink(project, tmp_path / "link")
     with pytest.raises(ValueError, match="is a symbolic link"):
         model.save_pretrained(tmp_path / "link")
+    with pytest.raises(ValueError, match="holds files that are not part of an export"):
+        model.save_pretrained(tiny_dir("llama"))  # the checkpoint it was exported from is not replaced
+    (tmp_path / "models" / "a").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"not part of an export \(a\)"):
+        model.save_pretrained(tmp_path / "models")  # nor a folder of folders
     (tmp_path / "empty").mkdir()
     model.save_pretrained(tmp_path / "empty")
     model.save_pretrained(tmp_path / "empty")  # over its own export
     assert (tmp_path / "empty" / "manifest.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "empty", "link", "project"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "empty", "link", "models", "project"]
 
 
 def test_save_keeps_the_tokenizer_readme_and_draft_beside_the_export(tiny_dir, tmp_path, tokenizer):

@@ -158,7 +158,8 @@ def main_export(
     except OSError as exc:
         raise ExportError(f"cannot write to {output_path.parent}: {exc}") from exc
     steps = tqdm(total=4 + (2 if with_draft else 0), desc="export ipex", unit="step")
-    with staged_directory(output_path) as staging:
+    kept = []
+    with staged_directory(output_path, honour_umask=True, keep=kept) as staging:
         steps.set_postfix_str("loading and exporting")
         try:
             exported = IPEXModelForCausalLM.from_pretrained(
@@ -177,7 +178,7 @@ def main_export(
             draft.save_pretrained(staging / "draft-bf16")
             steps.update(1)
         del exported
-        carry_over(str(output_path), str(staging))  # an earlier export's README, notes folder, ...
+        kept += carry_over(str(output_path), str(staging), skip=("draft-bf16",))  # an earlier export's README, ...
         write_manifest(str(staging))  # the tokenizer's files listed too
     steps.set_postfix_str("validating")
     report = validate_export(output_path, model_id, tokenizer, atol, hub)

@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, List, Optional
 
 #: renameat2's flag that swaps two paths in one step (Linux >= 3.15, glibc >= 2.28)
 _RENAME_EXCHANGE = 2
@@ -20,25 +20,38 @@ def looks_like_local_path(model_id: str) -> bool:
     return model_id.startswith((".", "/", "~")) or model_id.count("/") > 1
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it (``/proc/self/status``; elsewhere set and restored at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
-def staged_directory(target: Path, honour_umask: bool = False) -> Iterator[Path]:
+def staged_directory(target: Path, honour_umask: bool = False, keep: Optional[List[str]] = None) -> Iterator[Path]:
     """Yield an empty temporary sibling of ``target`` (hidden: ``.<name>-…``); when the body succeeds, it takes
     ``target``'s place by :func:`replace_directory`, otherwise it is removed. A process killed in the body leaves
     ``target`` as it was, and the hidden sibling. The result is world-readable, or with ``honour_umask`` has the modes
-    the process's umask gives new files (mkdtemp makes the sibling private, safetensors its files owner-only).
-    Safe against a killed process, not a power loss (nothing is fsync'ed)."""
+    the process's umask gives new files (mkdtemp makes the sibling private, safetensors its files owner-only); entries
+    the body names in ``keep`` (files it carried over as hard links of the user's) keep their modes. Safe against a
+    killed process, not a power loss (nothing is fsync'ed)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    mask = 0o022
-    if honour_umask:
-        mask = os.umask(0)
-        os.umask(mask)
+    mask = current_umask() if honour_umask else 0o022
+    kept = keep if keep is not None else []
     try:
         yield staging
         staging.chmod(0o777 & ~mask)
         for path in staging.rglob("*"):
-            if not path.is_symlink():
+            if path.relative_to(staging).parts[0] not in kept and not path.is_symlink():
                 path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
         replace_directory(staging, target)
     finally:
@@ -69,7 +82,7 @@ def replace_directory(new: Path, target: Path) -> None:
 
 def link_or_copy(source: Path, destination: Path) -> None:
     """``destination`` as a hard link of file ``source`` (or, for a folder, a tree of hard links), copying where links
-    cannot be made: the original stays whole whatever happens to the copy."""
+    cannot be made. A link shares the original's inode: meant for files whose old folder is about to be deleted."""
     def one(src, dst):
         try:
             os.link(src, dst)
