@@ -51,6 +51,7 @@ NOT_RUN_BASH = {
     "make provision": "provisioning: tests/test_provision.py",
     "pip install": "changes the environment",
     "python benchmarks/export_memory.py": "measures for minutes in fresh processes; its figures are in docs/memory.md",
+    "make bench-load": "measures load times for minutes in fresh processes; its figures are in docs/benchmarks-load.md",
 }
 
 RUNNER = r"""
