@@ -477,12 +477,24 @@ def test_torch_compile_refuses_what_it_cannot_run(arch, dtype, kwargs, message):
         IPEXModelForCausalLM.from_transformers_model(model, torch_compile=True, **kwargs)
 
 
-def test_torch_compile_on_a_saved_ipex_export_is_refused(tmp_path, ipex_available):
-    model = IPEXModelForCausalLM.from_pretrained(_save(build_tiny("llama", vocab_size=512), tmp_path / "ckpt"),
-                                                 export=True, backend="ipex")
+def test_torch_compile_on_a_saved_ipex_export_runs_our_decoder(tmp_path, ipex_available):
+    """A saved IPEX export (format 3) holds its weights: torch_compile=True loads it on our compiled decoder, with
+    stock's greedy tokens; a format-2 folder holds a graph only, and is refused."""
+    from conftest import write_legacy_export
+
+    checkpoint = _save(build_tiny("llama", vocab_size=512), tmp_path / "ckpt")
+    model = IPEXModelForCausalLM.from_pretrained(checkpoint, export=True, backend="ipex")
     model.save_pretrained(tmp_path / "export")
+    compiled = IPEXModelForCausalLM.from_pretrained(tmp_path / "export", torch_compile=True)
+    assert compiled.backend == "torch"
+    ids = torch.tensor([[1, 5, 9, 200, 17, 4, 77, 31]])
+    stock = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    expected = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert torch.equal(compiled.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                         do_sample=False), expected)
+    write_legacy_export(model, tmp_path / "legacy")
     with pytest.raises(ValueError, match="holds an IPEX graph"):
-        IPEXModelForCausalLM.from_pretrained(tmp_path / "export", torch_compile=True)
+        IPEXModelForCausalLM.from_pretrained(tmp_path / "legacy", torch_compile=True, trust_torchscript=True)
 
 
 def _checkpoint_names(folder) -> set:
