@@ -59,20 +59,6 @@ class ManifestError(ValueError):
     """A folder whose files do not match its manifest (or that has none). The message names the file and the fix."""
 
 
-def file_digest(path: str) -> str:
-    """The sha256 of a file (hex), read in :data:`HASH_PIECE_BYTES` pieces."""
-    digest = hashlib.sha256()
-    buffer = bytearray(HASH_PIECE_BYTES)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
-            digest.update(view[:n])
-    return digest.hexdigest()
-
-
 def write_manifest(folder: str) -> dict:
     """Write ``folder/manifest.json`` listing every regular top-level file of ``folder`` (the manifest excepted),
     through a temporary file renamed into place. Returns the manifest.
@@ -86,7 +72,7 @@ def write_manifest(folder: str) -> dict:
             continue
         if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
             raise ValueError(f"{entry.path} is not a regular file; an export folder holds its own files")
-        files[entry.name] = {"size": entry.stat(follow_symlinks=False).st_size, "sha256": file_digest(entry.path)}
+        files[entry.name] = {"size": entry.stat(follow_symlinks=False).st_size, "sha256": _digest_of_unchanged_file(entry.path)[0]}
     manifest = {"manifest_version": MANIFEST_VERSION, "files": files}
     temporary = os.path.join(folder, f".{MANIFEST_NAME}.partial")
     with open(temporary, "w") as f:
