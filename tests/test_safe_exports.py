@@ -523,8 +523,8 @@ def test_a_file_verified_before_is_not_hashed_again_until_it_changes(tiny_export
     folder = tiny_export()
     monkeypatch.setattr(manifest, "SETTLED_NS", 0)  # the files were written a moment ago
     hashed = []
-    digest = manifest._digest_of_unchanged_file
-    monkeypatch.setattr(manifest, "_digest_of_unchanged_file",
+    digest = manifest.digest_of_unchanged_file
+    monkeypatch.setattr(manifest, "digest_of_unchanged_file",
                         lambda path: hashed.append(os.path.basename(path)) or digest(path))
     IPEXModelForCausalLM.from_pretrained(folder)
     assert "model.safetensors" in hashed and os.listdir(tmp_path / "cache" / "_verified")

@@ -32,8 +32,8 @@ class TorchDecoderRunner(Runner):
         #: rows of the embedding table: token ids must be below it
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.decoder = TorchCausalLMDecoder(model, weights=weights)
-        # int8: the model's own projection weights are gone, so transformers' forward cannot run it
-        self.eager = EagerRunner(model) if weights == "dense" else None
+        # int8: the model's own projection weights are gone, so transformers' forward cannot run it (GGUF modules can)
+        self.eager = EagerRunner(model) if weights != "int8" else None
         self.dtype = dtype
         self.step = CompiledDecodeStep(self.decoder) if torch_compile else None
 

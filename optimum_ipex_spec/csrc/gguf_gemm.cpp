@@ -1,0 +1,383 @@
+// Products of fp32 activations by GGUF block-quantized weights, held as the file ships them, for
+// optimum_ipex_spec.gguf_weights (which builds this file at the first use and holds the PyTorch reference).
+//
+// Operators (namespace optimum_ipex_spec_gguf):
+//   dequantize(blocks uint8 [N, row_bytes], qtype, K) -> fp32 [N, K]
+//       each value exactly as gguf-py's gguf.quants.dequantize computes it (fp32 products and sums in its order,
+//       never contracted into a fused multiply-add: built with -ffp-contract=off)
+//   mm(x fp32 [M, K], blocks uint8 [N, row_bytes], qtype, K) -> fp32 [M, N]
+//       out[m, n] = sum_k x[m, k] * w[n, k], w the dequantized weight. Every output is the same chain of fused
+//       multiply-adds whatever M is: 16 lanes over k in steps of 16 from zero, then one fixed reduction of the 16
+//       lanes. So a row gets the same bits alone (a decode step) as among others (a verification of draft tokens,
+//       a prefill): speculative decoding over a quantized target returns the target's own greedy tokens.
+//       Each weight row is dequantized once per call, for all the rows of x.
+//
+// Block layouts (ggml's, llama.cpp ggml/src/ggml-common.h; values in gguf-py's order):
+//   Q4_0 32 values, 18 bytes: fp16 d, 16 bytes of nibbles         w = d * (q - 8)
+//   Q4_1 32 values, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
+//   Q5_0 32 values, 22 bytes: fp16 d, uint32 high bits, nibbles   w = d * (q - 16)
+//   Q8_0 32 values, 34 bytes: fp16 d, 32 int8                     w = q * d
+//   Q4_K 256 values, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+//        w = (d * sc) * q - (dmin * mn), per sub-block of 32
+//   Q5_K 256 values, 176 bytes: as Q4_K plus 32 bytes of fifth bits before the nibbles
+//   Q6_K 256 values, 210 bytes: 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, fp16 d
+//        w = (d * sc) * (q - 32), per 16 values
+//   F32 / F16: one value per block.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// ggml's type ids (gguf.GGMLQuantizationType)
+enum QType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Format {
+  int64_t values;  // per block
+  int64_t bytes;   // per block
+};
+
+bool format_of(int64_t qtype, Format* f) {
+  switch (qtype) {
+    case F32: *f = {1, 4}; return true;
+    case F16: *f = {1, 2}; return true;
+    case Q4_0: *f = {32, 18}; return true;
+    case Q4_1: *f = {32, 20}; return true;
+    case Q5_0: *f = {32, 22}; return true;
+    case Q8_0: *f = {32, 34}; return true;
+    case Q4_K: *f = {256, 144}; return true;
+    case Q5_K: *f = {256, 176}; return true;
+    case Q6_K: *f = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // exact: every fp16 is an fp32
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7)
+inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// 16 floats at y: table[v[i]] for the 16 bytes at v (their low 4 bits, or bits 4..7 with high), one permute
+inline void nibbles_through(const uint8_t* v, bool high, __m512 table, float* y) {
+  __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v)));
+  if (high) idx = _mm512_srli_epi32(idx, 4);
+  _mm512_storeu_ps(y, _mm512_permutexvar_ps(idx, table));  // the permute reads each index's low 4 bits
+}
+
+// the 16 values d * (i + offset) (and + m when with_min) for i = 0..15: a block's dequantized values for each nibble,
+// each computed as gguf-py computes a value (fp32 product, then sum)
+inline __m512 nibble_table(float d, int offset) {
+  const __m512 i = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_mul_ps(_mm512_set1_ps(d), _mm512_add_ps(i, _mm512_set1_ps(static_cast<float>(offset))));
+}
+
+// one block of `qtype` at b -> its values at y (Format::values of them), bit for bit gguf-py's: each value a table
+// entry computed in gguf-py's order, or an integer converted and scaled in it
+// (a template on the type: the switch folds away, and the block's code inlines into the loops that call it)
+template <int64_t QT>
+__attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, float* y) {
+  switch (QT) {
+    case F32:
+      std::memcpy(y, b, 4);
+      return;
+    case F16:
+      y[0] = half(b);
+      return;
+    case Q4_0: {  // d * (q - 8)
+      const __m512 table = nibble_table(half(b), -8);
+      nibbles_through(b + 2, false, table, y);
+      nibbles_through(b + 2, true, table, y + 16);
+      return;
+    }
+    case Q4_1: {  // d * q + m
+      const __m512 table = _mm512_add_ps(nibble_table(half(b), 0), _mm512_set1_ps(half(b + 2)));
+      nibbles_through(b + 4, false, table, y);
+      nibbles_through(b + 4, true, table, y + 16);
+      return;
+    }
+    case Q5_0: {  // d * (q - 16), q = nibble | fifth bit << 4
+      const float d = half(b);
+      const __m512 lo = nibble_table(d, -16), hi = nibble_table(d, 0);
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const __m512i bit = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i nib = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6)));
+      const __m512i mask = _mm512_set1_epi32(0x0F);
+      for (int half_ = 0; half_ < 2; half_++) {
+        __m512i idx = half_ ? _mm512_srli_epi32(nib, 4) : _mm512_and_si512(nib, mask);
+        const __m512i fifth = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(qh >> (16 * half_))), bit), _mm512_set1_epi32(1));
+        idx = _mm512_or_si512(idx, _mm512_slli_epi32(fifth, 4));
+        _mm512_storeu_ps(y + 16 * half_, _mm512_permutex2var_ps(lo, idx, hi));  // index bit 4 picks the table
+      }
+      return;
+    }
+    case Q8_0: {  // q * d
+      const __m512 d = _mm512_set1_ps(half(b));
+      for (int c = 0; c < 2; c++) {
+        const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * c)));
+        _mm512_storeu_ps(y + 16 * c, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
+      }
+      return;
+    }
+    case Q4_K: {  // (d * sc) * q - dmin * mn per sub-block of 32
+      const float d = half(b), dmin = half(b + 2);
+      const uint8_t* qs = b + 16;
+      float d1s[8], m1s[8];
+      for (int g = 0; g < 8; g++) {
+        int sc, mn;
+        scale_min_k4(b + 4, g, &sc, &mn);
+        d1s[g] = d * static_cast<float>(sc);
+        m1s[g] = dmin * static_cast<float>(mn);
+      }
+      for (int g = 0; g < 8; g++) {
+        const __m512 table = _mm512_sub_ps(nibble_table(d1s[g], 0), _mm512_set1_ps(m1s[g]));
+        const uint8_t* q = qs + 32 * (g / 2);
+        nibbles_through(q, g % 2, table, y + 32 * g);
+        nibbles_through(q + 16, g % 2, table, y + 32 * g + 16);
+      }
+      return;
+    }
+    case Q5_K: {  // (d * sc) * q - dmin * mn, q = nibble | fifth bit << 4
+      const float d = half(b), dmin = half(b + 2);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + 48;
+      const __m512i low4 = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);
+      for (int g = 0; g < 8; g++) {
+        int sc, mn;
+        scale_min_k4(b + 4, g, &sc, &mn);
+        const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(mn);
+        const __m512 m1v = _mm512_set1_ps(m1);
+        const __m512 lo = _mm512_sub_ps(nibble_table(d1, 0), m1v), hi = _mm512_sub_ps(nibble_table(d1, 16), m1v);
+        for (int c = 0; c < 2; c++) {
+          __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (g / 2) + 16 * c)));
+          idx = _mm512_and_si512(g % 2 ? _mm512_srli_epi32(idx, 4) : idx, low4);
+          const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * c)));
+          idx = _mm512_or_si512(idx, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, g), one), 4));
+          _mm512_storeu_ps(y + 32 * g + 16 * c, _mm512_permutex2var_ps(lo, idx, hi));
+        }
+      }
+      return;
+    }
+    case Q6_K: {  // (d * sc) * (q - 32) per 16 values, q = 4 low bits | 2 high bits << 4
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = half(b + 208);
+      const __m512i low4 = _mm512_set1_epi32(0x0F), two = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+      for (int i = 0; i < 16; i++) {  // 16 values each: half h, quarter r, 16 of its 32
+        const int h = i / 8, r = (i % 8) / 2, part = i % 2;
+        __m512i q = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 64 * h + 32 * (r % 2) + 16 * part)));
+        q = _mm512_and_si512(r < 2 ? q : _mm512_srli_epi32(q, 4), low4);
+        const __m512i hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 32 * h + 16 * part)));
+        q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 2 * r), two), 4));
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, bias));
+        const __m512 scale = _mm512_set1_ps(d * static_cast<float>(scales[i]));
+        _mm512_storeu_ps(y + 16 * i, _mm512_mul_ps(scale, v));
+      }
+      return;
+    }
+  }
+}
+
+template <int64_t QT>
+inline void dequantize_row(const Format& f, const uint8_t* row, float* y, int64_t K) {
+  const int64_t blocks = K / f.values;
+  for (int64_t i = 0; i < blocks; i++) dequantize_block<QT>(row + i * f.bytes, y + i * f.values);
+}
+
+// rows of weights dequantized together, and so dots that run side by side
+constexpr int kRowsN = 4;
+// rows of x that share one pass over the dequantized weights
+constexpr int kRowsM = 4;
+// values of k a pass dequantizes at once while every row of x fits one pass (a decode step, a verification)
+constexpr int64_t kChunkK = 256;
+
+// acc[m][r] += x[m, k0:k1] * w[r, k0:k1], 16 lanes over k in steps of 16; x rows ldx apart, w rows ldw apart
+template <int M, int R>
+inline void fma_chain(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1,
+                      __m512 (&acc)[kRowsM][kRowsN]) {
+  for (int64_t k = k0; k < k1; k += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + r * ldw + (k - k0));
+    for (int m = 0; m < M; m++) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + k);
+      for (int r = 0; r < R; r++) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+}
+
+template <int M, int R>
+inline void store(const __m512 (&acc)[kRowsM][kRowsN], float* out, int64_t ldo) {
+  for (int m = 0; m < M; m++)
+    for (int r = 0; r < R; r++) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+inline void zero(__m512 (&acc)[kRowsM][kRowsN]) {
+  for (int m = 0; m < kRowsM; m++)
+    for (int r = 0; r < kRowsN; r++) acc[m][r] = _mm512_setzero_ps();
+}
+
+// all M (<= kRowsM) rows of x against R weight rows, dequantizing kChunkK values of each at a time (L1-resident)
+template <int64_t QT, int M, int R>
+void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_bytes, const Format& f,
+              int64_t K, float* buf, float* out, int64_t ldo) {
+  __m512 acc[kRowsM][kRowsN];
+  zero(acc);
+  const int64_t chunk = f.values > kChunkK ? f.values : kChunkK;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
+    for (int r = 0; r < R; r++)
+      for (int64_t b = k0 / f.values; b < k1 / f.values; b++)
+        dequantize_block<QT>(rows + r * row_bytes + b * f.bytes, buf + r * chunk + (b * f.values - k0));
+    fma_chain<M, R>(x, ldx, buf, chunk, k0, k1, acc);
+  }
+  store<M, R>(acc, out, ldo);
+}
+
+// M rows of x in groups of kRowsM against R weight rows dequantized whole first (a prefill): each output the same
+// chain as few_rows gives it
+template <int64_t QT, int R>
+void many_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int64_t row_bytes,
+               const Format& f, int64_t K, float* buf, float* out, int64_t ldo) {
+  for (int r = 0; r < R; r++) dequantize_row<QT>(f, rows + r * row_bytes, buf + r * K, K);
+  __m512 acc[kRowsM][kRowsN];
+  int64_t m = 0;
+  for (; m + kRowsM <= M; m += kRowsM) {
+    zero(acc);
+    fma_chain<kRowsM, R>(x + m * ldx, ldx, buf, K, 0, K, acc);
+    store<kRowsM, R>(acc, out + m * ldo, ldo);
+  }
+  const int64_t left = M - m;
+  zero(acc);
+  if (left == 1) { fma_chain<1, R>(x + m * ldx, ldx, buf, K, 0, K, acc); store<1, R>(acc, out + m * ldo, ldo); }
+  if (left == 2) { fma_chain<2, R>(x + m * ldx, ldx, buf, K, 0, K, acc); store<2, R>(acc, out + m * ldo, ldo); }
+  if (left == 3) { fma_chain<3, R>(x + m * ldx, ldx, buf, K, 0, K, acc); store<3, R>(acc, out + m * ldo, ldo); }
+}
+
+template <int64_t QT, int R>
+void row_group(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int64_t row_bytes,
+               const Format& f, int64_t K, float* buf, float* out, int64_t ldo) {
+  switch (M) {
+    case 1: few_rows<QT, 1, R>(x, ldx, rows, row_bytes, f, K, buf, out, ldo); return;
+    case 2: few_rows<QT, 2, R>(x, ldx, rows, row_bytes, f, K, buf, out, ldo); return;
+    case 3: few_rows<QT, 3, R>(x, ldx, rows, row_bytes, f, K, buf, out, ldo); return;
+    case 4: few_rows<QT, 4, R>(x, ldx, rows, row_bytes, f, K, buf, out, ldo); return;
+    default: many_rows<QT, R>(x, M, ldx, rows, row_bytes, f, K, buf, out, ldo);
+  }
+}
+
+Format checked_format(const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  Format f;
+  TORCH_CHECK(format_of(qtype, &f), "gguf: unsupported block type ", qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "gguf: blocks must be a contiguous uint8 [rows, row_bytes] tensor");
+  TORCH_CHECK(K > 0 && K % 16 == 0 && K % f.values == 0, "gguf: K=", K, " is not a multiple of 16 and of the block's ",
+              f.values, " values");
+  TORCH_CHECK(blocks.size(1) == K / f.values * f.bytes, "gguf: a row of ", K, " values is ", K / f.values * f.bytes,
+              " bytes in this block type, got ", blocks.size(1));
+  return f;
+}
+
+template <int64_t QT>
+void dequantize_rows(const uint8_t* src, int64_t row_bytes, const Format& f, float* dst, int64_t N, int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++) dequantize_row<QT>(f, src + n * row_bytes, dst + n * K, K);
+  });
+}
+
+template <int64_t QT>
+void mm_rows(const float* xp, int64_t M, const uint8_t* wp, int64_t row_bytes, const Format& f, float* op, int64_t N,
+             int64_t K) {
+  const int64_t groups = (N + kRowsN - 1) / kRowsN;
+  const int64_t chunk = f.values > kChunkK ? f.values : kChunkK;
+  const int64_t buf_values = kRowsN * (M <= kRowsM ? chunk : K);
+  at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
+    // 64-byte aligned: the block values are stored and read again as whole cache lines
+    std::vector<__m512> storage((buf_values + 15) / 16);
+    float* buf = reinterpret_cast<float*>(storage.data());
+    std::vector<float> tile(M * kRowsN);
+    for (int64_t g = begin; g < end; g++) {
+      const int64_t n0 = g * kRowsN;
+      const int R = static_cast<int>(N - n0 < kRowsN ? N - n0 : kRowsN);
+      const uint8_t* rows = wp + n0 * row_bytes;
+      float* t = tile.data();
+      switch (R) {
+        case 4: row_group<QT, 4>(xp, M, K, rows, row_bytes, f, K, buf, t, kRowsN); break;
+        case 3: row_group<QT, 3>(xp, M, K, rows, row_bytes, f, K, buf, t, kRowsN); break;
+        case 2: row_group<QT, 2>(xp, M, K, rows, row_bytes, f, K, buf, t, kRowsN); break;
+        default: row_group<QT, 1>(xp, M, K, rows, row_bytes, f, K, buf, t, kRowsN);
+      }
+      for (int64_t m = 0; m < M; m++)
+        for (int r = 0; r < R; r++) op[m * N + n0 + r] = t[m * kRowsN + r];
+    }
+  });
+}
+
+// calls BODY<QT> for the runtime type id: one instantiation per block type
+#define GGUF_DISPATCH(qtype, BODY, ...)                      \
+  switch (qtype) {                                            \
+    case F32: BODY<F32>(__VA_ARGS__); break;                  \
+    case F16: BODY<F16>(__VA_ARGS__); break;                  \
+    case Q4_0: BODY<Q4_0>(__VA_ARGS__); break;                \
+    case Q4_1: BODY<Q4_1>(__VA_ARGS__); break;                \
+    case Q5_0: BODY<Q5_0>(__VA_ARGS__); break;                \
+    case Q8_0: BODY<Q8_0>(__VA_ARGS__); break;                \
+    case Q4_K: BODY<Q4_K>(__VA_ARGS__); break;                \
+    case Q5_K: BODY<Q5_K>(__VA_ARGS__); break;                \
+    case Q6_K: BODY<Q6_K>(__VA_ARGS__); break;                \
+    default: TORCH_CHECK(false, "gguf: unsupported block type ", qtype); \
+  }
+
+at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  const Format f = checked_format(blocks, qtype, K);
+  const int64_t N = blocks.size(0), row_bytes = blocks.size(1);
+  at::Tensor out = at::empty({N, K}, at::kFloat);
+  GGUF_DISPATCH(qtype, dequantize_rows, blocks.data_ptr<uint8_t>(), row_bytes, f, out.data_ptr<float>(), N, K);
+  return out;
+}
+
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  const Format f = checked_format(blocks, qtype, K);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0), N = blocks.size(0), row_bytes = blocks.size(1);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, at::kFloat);
+  if (M > 0)
+    GGUF_DISPATCH(qtype, mm_rows, x.data_ptr<float>(), M, blocks.data_ptr<uint8_t>(), row_bytes, f,
+                  out.data_ptr<float>(), N, K);
+  return out.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(optimum_ipex_spec_gguf, m) {
+  m.def("dequantize(Tensor blocks, int qtype, int K) -> Tensor");
+  m.def("mm(Tensor x, Tensor blocks, int qtype, int K) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf, CPU, m) {
+  m.impl("dequantize", &dequantize);
+  m.impl("mm", &mm);
+}

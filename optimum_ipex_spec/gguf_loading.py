@@ -1,0 +1,120 @@
+"""Where ``from_pretrained(..., weights="gguf")`` finds its GGUF file, config and generation config, and the checks
+it makes before any tensor is read. The model itself is built by
+:func:`~optimum_ipex_spec.gguf_weights.load_gguf_model`.
+
+Three ways to name the file, as transformers users name one (its ``gguf_file=`` keyword):
+
+* a provisioned model name with ``weights="gguf"``: the GGUF its package ships (:func:`~optimum_ipex_spec.provision.
+  gguf_path`), with the provisioned folder's config, generation config and tokenizer;
+* a folder and ``gguf_file="name.gguf"`` inside it: the folder's ``config.json`` when it has one, else the config
+  transformers reads from the GGUF's metadata;
+* a path to a ``.gguf`` file.
+
+Unlike transformers (which dequantizes a GGUF to the dtype asked for), the blocks stay as the file holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .facts import is_provisioned_name
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GGUFSource:
+    """A GGUF file to load: ``path``, and ``folder`` (a transformers folder for its config, generation config and
+    tokenizer) or None."""
+
+    path: str
+    folder: Optional[str]
+
+
+def wants_gguf(model_id: str, kwargs: dict) -> bool:
+    """True when a ``from_pretrained`` call asks for GGUF weights: ``weights="gguf"``, ``gguf_file=``, or a path to a
+    ``.gguf`` file."""
+    return (kwargs.get("weights") == "gguf" or kwargs.get("gguf_file") is not None
+            or (str(model_id).endswith(".gguf") and os.path.isfile(str(model_id))))
+
+
+def locate(model_id: str, gguf_file: Optional[str]) -> GGUFSource:
+    """The GGUF file and config folder that ``model_id`` / ``gguf_file`` name (module docstring).
+
+    Raises:
+        FileNotFoundError: no such file or folder; a folder without ``gguf_file`` and with no ``.gguf`` file, or
+            with several (the message lists them).
+        ValueError: ``gguf_file`` is not a plain file name inside the folder.
+        ProvisionError: a provisioned model whose package is missing or whose file fails its checksum.
+    """
+    model_id = str(model_id)
+    if is_provisioned_name(model_id) and not os.path.exists(model_id):
+        from .provision import gguf_path, resolve_model
+
+        if gguf_file is not None:
+            raise ValueError(f"{model_id} is a provisioned model: its GGUF file is known, drop gguf_file=")
+        return GGUFSource(str(gguf_path(model_id)), resolve_model(model_id))
+    if os.path.isfile(model_id):
+        if gguf_file is not None:
+            raise ValueError("pass either a path to a .gguf file or a folder with gguf_file=, not both")
+        folder = os.path.dirname(os.path.abspath(model_id))
+        return GGUFSource(model_id, folder if os.path.isfile(os.path.join(folder, "config.json")) else None)
+    if not os.path.isdir(model_id):
+        raise FileNotFoundError(f"{model_id} is neither a GGUF file, a folder, nor a provisioned model name "
+                                "(weights='gguf' reads a local .gguf file; the hub is not searched)")
+    if gguf_file is None:
+        found = sorted(name for name in os.listdir(model_id) if name.endswith(".gguf"))
+        if len(found) != 1:
+            raise FileNotFoundError(f"{model_id} holds {len(found)} .gguf files ({', '.join(found[:5]) or 'none'}): "
+                                    "name the one to load with gguf_file=")
+        gguf_file = found[0]
+    if os.path.basename(gguf_file) != gguf_file or gguf_file in (".", ".."):
+        raise ValueError(f"gguf_file={gguf_file!r} must be the name of a file inside {model_id}, not a path")
+    path = os.path.join(model_id, gguf_file)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_id} has no file {gguf_file}")
+    return GGUFSource(path, model_id if os.path.isfile(os.path.join(model_id, "config.json")) else None)
+
+
+def check_options(torch_dtype, backend: str, kwargs: dict) -> None:
+    """Refuse what GGUF weights cannot honour, before the file is read.
+
+    Raises:
+        ValueError: a dtype other than fp32 (the kernel multiplies fp32 activations; the blocks are the weights'
+            precision); ``backend="ipex"``; ``export=False``; options of a hub download (``revision``, ``subfolder``,
+            ``token``...) or ``trust_remote_code``.
+    """
+    if torch_dtype not in (None, "auto", "float32", torch.float32):
+        raise ValueError(f"weights='gguf' multiplies fp32 activations by the file's blocks; got torch_dtype="
+                         f"{torch_dtype!r}. Leave torch_dtype out (or pass torch.float32)")
+    if backend == "ipex":
+        raise ValueError("weights='gguf' runs on our pure-PyTorch decoder: pass backend='auto' or 'torch'")
+    if kwargs.get("export") is False:
+        raise ValueError("weights='gguf' builds the model from the file (there is no export to load): drop "
+                         "export=False")
+    hub = [name for name in ("revision", "subfolder", "token", "cache_dir", "force_download", "trust_remote_code",
+                             "trust_torchscript", "config") if kwargs.get(name)]
+    if hub:
+        raise ValueError(f"weights='gguf' reads a local GGUF file; {', '.join(hub)} do not apply to it")
+
+
+def read_config(source: GGUFSource):
+    """``(config, generation_config)`` for ``source``: the folder's, or those transformers reads from the GGUF's
+    metadata (``AutoConfig.from_pretrained(..., gguf_file=...)``)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if source.folder is not None:
+        config = AutoConfig.from_pretrained(source.folder)
+        try:
+            generation = GenerationConfig.from_pretrained(source.folder)
+        except OSError:  # no generation_config.json
+            generation = GenerationConfig.from_model_config(config)
+        return config, generation
+    folder, name = os.path.split(os.path.abspath(source.path))
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    return config, GenerationConfig.from_model_config(config)

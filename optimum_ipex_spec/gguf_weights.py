@@ -1,0 +1,432 @@
+"""GGUF weights as the file ships them: the block-quantized tensors of a ``.gguf`` file, memory-mapped and multiplied
+without ever being dequantized in memory, as a weight format of the pure-PyTorch decoder (``weights="gguf"``).
+
+A CPU decode step reads every weight once, so its speed is the bytes it reads: Qwen2.5-Coder-1.5B's Q4_K_M file
+holds 0.98 GB per token where its fp32 dequantization holds 6.2 GB. The kernel (``csrc/gguf_gemm.cpp``, built at the
+first use with ``torch.utils.cpp_extension``, cached in ``TORCH_EXTENSIONS_DIR``) dequantizes each weight row once per
+call into registers and L1, for all the rows of the call, and multiplies in fp32:
+
+* "exact" mode: it computes the dequantized model's own function (each weight exactly the fp32 value gguf-py's
+  ``gguf.quants.dequantize`` gives, so exactly the provisioned fp32 folder's weight; the sums in another order);
+* every output row is the same chain of fused multiply-adds whatever the number of rows, so a token gets the same
+  logits decoded alone as verified among draft tokens: speculative decoding over a GGUF target returns that target's
+  own greedy tokens.
+
+Block types: ggml's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, and F16 / F32 (:data:`BLOCK_TYPES`). Architectures: the
+decoder's Llama family (GGUF ``llama``: SmolLM2; ``qwen2``: Qwen2.5). llama.cpp's converter permutes the rows of
+``attn_q`` / ``attn_k`` of ``llama`` models for its rotary layout; whole rows move, so :func:`load_gguf_model` undoes it
+on the quantized rows (as transformers' ``LlamaTensorProcessor`` does on dequantized ones).
+
+Where the kernel cannot run (no AVX-512, no C++ compiler), :class:`GGUFLinear` multiplies through the PyTorch reference
+(:func:`reference_mm`: gguf-py's dequantization, a bounded number of rows at a time, then ``torch.mv`` per row; slow,
+logged once). The file is untrusted data: it is parsed by gguf-py's reader (no code runs), every tensor's type, shape
+and byte range is checked before use (:func:`read_gguf`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A ggml tensor type: ``values`` weights per block, stored in ``bytes`` bytes."""
+
+    name: str
+    qtype: int  # gguf.GGMLQuantizationType
+    values: int
+    bytes: int
+
+
+#: the block types the kernel multiplies, by ggml type id
+BLOCK_TYPES: Dict[int, BlockType] = {t.qtype: t for t in (
+    BlockType("F32", 0, 1, 4), BlockType("F16", 1, 1, 2), BlockType("Q4_0", 2, 32, 18), BlockType("Q4_1", 3, 32, 20),
+    BlockType("Q5_0", 6, 32, 22), BlockType("Q8_0", 8, 32, 34), BlockType("Q4_K", 12, 256, 144),
+    BlockType("Q5_K", 13, 256, 176), BlockType("Q6_K", 14, 256, 210),
+)}
+
+#: weight rows the reference path dequantizes at a time (bounds its temporary fp32 copy)
+REFERENCE_ROWS = 1024
+
+_SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.cpp"
+
+
+class GGUFError(ValueError):
+    """A GGUF file this package cannot run: an unsupported architecture or block type, a tensor whose shape or byte
+    range does not fit, a damaged file."""
+
+
+def row_bytes(block: BlockType, k: int) -> int:
+    """Bytes of one row of ``k`` values in ``block``'s type.
+
+    Raises:
+        GGUFError: ``k`` is not a multiple of the block's values (or of 16, which the kernel needs)."""
+    if k % block.values or k % 16:
+        raise GGUFError(f"a row of {k} values cannot be held in {block.name} blocks of {block.values} (and the "
+                        "kernel needs a multiple of 16)")
+    return k // block.values * block.bytes
+
+
+# ----------------------------------------------------------------------------------------------- the kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_built() -> bool:
+    logger.info("Loading the GGUF kernel (built once per machine and torch, about 20-40 s; cached in "
+                "TORCH_EXTENSIONS_DIR)...")
+    try:
+        from torch.utils.cpp_extension import load
+
+        # the torch version in the name: two torch versions sharing one TORCH_EXTENSIONS_DIR keep a build each
+        name = "optimum_ipex_spec_gguf_gemm_v1_torch" + re.sub(r"\W", "_", torch.__version__)
+        load(name, sources=[str(_SOURCE)], is_python_module=False, verbose=False,
+             extra_cflags=["-O3", "-mavx512f", "-mfma", "-mf16c", "-ffp-contract=off"])
+        torch.library.register_fake("optimum_ipex_spec_gguf::mm")(_mm_shape)
+        torch.library.register_fake("optimum_ipex_spec_gguf::dequantize")(_dequantize_shape)
+    except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
+        text = str(exc).strip().splitlines()
+        logger.warning("Could not build the GGUF kernel (%s: %s): GGUF weights multiply through the PyTorch "
+                       "reference, many times slower. Install a C++ compiler and ninja (pip install ninja).",
+                       type(exc).__name__, text[0] if text else "")
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_kernel_available() -> bool:
+    """True when ``torch.ops.optimum_ipex_spec_gguf.mm`` runs here (an AVX-512 CPU, the operator built: once per
+    process, the build cached on disk). False, logged once, otherwise: :class:`GGUFLinear` then runs the reference."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        logger.warning("The GGUF kernel needs AVX-512 (this CPU: %s): GGUF weights multiply through the PyTorch "
+                       "reference, many times slower.", capability)
+        return False
+    return _kernel_built()
+
+
+def _mm_shape(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+
+def _dequantize_shape(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return blocks.new_empty((blocks.shape[0], k), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------- the reference
+
+
+def reference_dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """``blocks`` uint8 ``[rows, row_bytes]`` -> fp32 ``[rows, k]``, by gguf-py's own dequantization
+    (``gguf.quants.dequantize``, NumPy)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = blocks.contiguous().numpy()
+    if qtype == 0:
+        values = data.view(np.float32)
+    elif qtype == 1:
+        values = data.view(np.float16).astype(np.float32)
+    else:
+        values = dequantize(data, GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(blocks.shape[0], k))
+
+
+def reference_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """``x [..., k]`` fp32 times the dequantized weight ``[rows, k]`` transposed -> ``[..., rows]``: the PyTorch
+    reference of the kernel's ``mm``. :data:`REFERENCE_ROWS` weight rows are dequantized at a time, and each row of
+    ``x`` is multiplied alone (``torch.mv``), so a row's bits do not depend on the other rows either."""
+    flat = x.reshape(-1, k)
+    out = x.new_empty((flat.shape[0], blocks.shape[0]))
+    for start in range(0, blocks.shape[0], REFERENCE_ROWS):
+        weight = reference_dequantize(blocks[start:start + REFERENCE_ROWS], qtype, k)
+        for m in range(flat.shape[0]):
+            out[m, start:start + weight.shape[0]] = torch.mv(weight, flat[m])
+    return out.view(*x.shape[:-1], blocks.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------- modules
+
+
+class GGUFLinear(torch.nn.Module):
+    """``x @ W.T + b`` with ``W`` held as GGUF blocks (a view of the memory-mapped file, no copy): ``x [..., in]``
+    fp32 -> ``[..., out]`` fp32. The kernel where :func:`gguf_kernel_available`, else :func:`reference_mm`.
+
+    Args:
+        blocks: uint8 ``[out, row_bytes]``, each row ``in_features`` values in ``block``'s type.
+        block: the :class:`BlockType`.
+        in_features: values per row.
+        bias: fp32 ``[out]`` or None.
+
+    Raises:
+        GGUFError: ``blocks`` is not uint8 ``[out, row_bytes(block, in_features)]``.
+    """
+
+    def __init__(self, blocks: torch.Tensor, block: BlockType, in_features: int, bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(block, in_features):
+            raise GGUFError(f"{block.name} blocks of rows of {in_features} values must be uint8 "
+                            f"[out, {row_bytes(block, in_features)}], got {blocks.dtype} {tuple(blocks.shape)}")
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.block = block
+        self.qtype = block.qtype
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        #: whether the kernel multiplies (decided once: a plain attribute, which torch.compile reads as a constant)
+        self.kernel = gguf_kernel_available()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.block.name}"
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight ``[out, in]`` fp32 (a new tensor: what the blocks stand for)."""
+        if self.kernel:
+            return torch.ops.optimum_ipex_spec_gguf.dequantize(self.blocks, self.qtype, self.in_features)
+        return reference_dequantize(self.blocks, self.qtype, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Raises:
+            TypeError: ``x`` is not fp32 (GGUF weights run with fp32 activations).
+            ValueError: ``x`` does not end in ``in_features``."""
+        if x.dtype != torch.float32:
+            raise TypeError(f"GGUF weights multiply fp32 activations, got {x.dtype}: load the model with "
+                            "torch_dtype=torch.float32")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"this GGUF layer takes {self.in_features} input features, got x of shape "
+                             f"{tuple(x.shape)}")
+        if self.kernel:
+            out = torch.ops.optimum_ipex_spec_gguf.mm(x, self.blocks, self.qtype, self.in_features)
+        else:
+            out = reference_mm(x, self.blocks, self.qtype, self.in_features)
+        return out if self.bias is None else out + self.bias
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """An input embedding held as GGUF blocks: ``ids`` int64 ``[...]`` -> ``[..., hidden]`` fp32, each row dequantized
+    as it is looked up (the rows ``nn.Embedding`` of the dequantized table gives, bit for bit).
+
+    Args:
+        table: the :class:`GGUFLinear` of the table (``[vocab, hidden]``); a tied LM head is the same module.
+    """
+
+    def __init__(self, table: GGUFLinear):
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.blocks.index_select(0, ids.reshape(-1))
+        if self.table.kernel:
+            values = torch.ops.optimum_ipex_spec_gguf.dequantize(rows, self.table.qtype, self.embedding_dim)
+        else:
+            values = reference_dequantize(rows, self.table.qtype, self.embedding_dim)
+        return values.view(*ids.shape, self.embedding_dim)
+
+
+# ----------------------------------------------------------------------------------------------- the file
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: ``rows`` x ``k`` values (ggml lists the dimensions the other way round) in
+    ``block``'s type, ``nbytes`` bytes from ``offset`` in the file."""
+
+    name: str
+    block: BlockType
+    rows: int
+    k: int
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file's architecture, metadata fields this package reads, and tensors (:func:`read_gguf`)."""
+
+    path: str
+    architecture: str
+    fields: dict
+    tensors: Dict[str, GGUFTensor]
+    size: int
+    _mapped: Optional[torch.Tensor] = None
+
+    def mapped(self) -> torch.Tensor:
+        """The whole file as a read-only uint8 tensor on a private memory map (pages read from the file as they are
+        touched, shared with the page cache; nothing copied)."""
+        if self._mapped is None:
+            self._mapped = torch.from_file(self.path, shared=False, size=self.size, dtype=torch.uint8)
+        return self._mapped
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """uint8 ``[rows, row_bytes]``, a view of the mapped file."""
+        t = self.tensors[name]
+        return self.mapped()[t.offset:t.offset + t.nbytes].view(t.rows, t.nbytes // t.rows)
+
+    def values(self, name: str) -> torch.Tensor:
+        """A small tensor (a norm, a bias) dequantized to fp32 ``[rows * k]`` (a copy of its own)."""
+        t = self.tensors[name]
+        return reference_dequantize(self.blocks(name), t.block.qtype, t.k).reshape(-1).clone()
+
+
+def read_gguf(path: os.PathLike) -> GGUFFile:
+    """Parse ``path``'s header with gguf-py's reader (data only: nothing in the file is executed) and check every
+    tensor: a supported block type, at most 2 dimensions, a byte range inside the file of the size its shape needs.
+
+    Raises:
+        FileNotFoundError: no such file.
+        GGUFError: not a GGUF file, or a tensor that fails a check (named).
+    """
+    path = str(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, struct errors, IndexError on damage
+        raise GGUFError(f"{path} is not a readable GGUF file, or a truncated or damaged one ({type(exc).__name__}: "
+                        f"{exc})") from None
+    size = os.path.getsize(path)
+    fields = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):  # vocabularies: large, and read by transformers' tokenizer, not here
+            continue
+        try:
+            fields[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field of a type this package does not read
+            continue
+    architecture = str(fields.get("general.architecture", ""))
+    tensors = {}
+    for t in reader.tensors:
+        qtype = int(t.tensor_type)
+        block = BLOCK_TYPES.get(qtype)
+        if block is None:
+            raise GGUFError(f"{path}: tensor {t.name} is of ggml type {t.tensor_type.name}, which the GGUF kernel does "
+                            f"not run (supported: {', '.join(b.name for b in BLOCK_TYPES.values())})")
+        dims = [int(d) for d in t.shape]
+        if not 1 <= len(dims) <= 2:
+            raise GGUFError(f"{path}: tensor {t.name} has {len(dims)} dimensions; a decoder's weights have 1 or 2")
+        k, rows = dims[0], (dims[1] if len(dims) == 2 else 1)
+        if k % block.values:
+            raise GGUFError(f"{path}: tensor {t.name} has rows of {k} values, not whole {block.name} blocks")
+        nbytes = rows * (k // block.values) * block.bytes
+        offset = int(t.data_offset)
+        if offset < 0 or offset + nbytes > size or int(t.n_bytes) != nbytes:
+            raise GGUFError(f"{path}: tensor {t.name} needs {nbytes} bytes at offset {offset}, which the file "
+                            f"({size} bytes) does not hold: a truncated or damaged file")
+        tensors[t.name] = GGUFTensor(t.name, block, rows, k, offset, nbytes)
+    del reader
+    return GGUFFile(path, architecture, fields, tensors, size)
+
+
+# ----------------------------------------------------------------------------------------------- the model
+
+#: GGUF architectures whose tensors map onto the decoder's Llama-family modules, and their transformers class
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER_NAMES = {  # GGUF name in block i -> the decoder layer's module path
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's rotary permutation of ``attn_q`` / ``attn_k`` (``heads`` of them): row
+    ``i`` of the result is row ``order[i]`` of the file (transformers' ``_reverse_permute_weights`` on indices)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _check_shape(gguf: GGUFFile, name: str, rows: int, k: int) -> GGUFTensor:
+    t = gguf.tensors.get(name)
+    if t is None:
+        raise GGUFError(f"{gguf.path} has no tensor {name}: not a complete {gguf.architecture} model")
+    if (t.rows, t.k) != (rows, k):
+        raise GGUFError(f"{gguf.path}: tensor {name} is [{t.rows}, {t.k}], the config needs [{rows}, {k}]: the "
+                        "config does not describe this file")
+    return t
+
+
+def load_gguf_model(gguf: GGUFFile, config) -> torch.nn.Module:
+    """A transformers causal LM of ``config`` (fp32, eval mode) whose projections, LM head and input embedding are
+    :class:`GGUFLinear` / :class:`GGUFEmbedding` modules on ``gguf``'s mapped blocks (never dequantized in memory),
+    norms and biases fp32 copies of the file's (small).
+
+    Raises:
+        GGUFError: an architecture other than :data:`ARCHITECTURES`; a tensor missing, or whose shape is not the
+            config's.
+    """
+    from transformers import AutoModelForCausalLM
+
+    expected = ARCHITECTURES.get(gguf.architecture)
+    if expected is None:
+        raise GGUFError(f"{gguf.path} is a {gguf.architecture!r} model; weights='gguf' runs "
+                        f"{', '.join(ARCHITECTURES)} (the decoder's Llama family)")
+    architectures = getattr(config, "architectures", None) or [expected]
+    if architectures[0] != expected:
+        raise GGUFError(f"{gguf.path} holds a {gguf.architecture} model but the config is {architectures[0]}")
+    config.architectures = [expected]
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # the default dtype, fp32: a meta skeleton, no memory
+    inner = model.model
+
+    def linear(name: str, rows: int, k: int, bias_name: Optional[str] = None, heads_permuted: int = 0):
+        t = _check_shape(gguf, name, rows, k)
+        blocks = gguf.blocks(name)
+        bias = None
+        if bias_name is not None and bias_name in gguf.tensors:
+            b = _check_shape(gguf, bias_name, 1, rows)
+            bias = gguf.values(b.name)
+        if heads_permuted:
+            order = _unpermute_rows(rows, heads_permuted)
+            blocks = blocks.index_select(0, order)  # q and k only: a small copy, rows whole
+            bias = bias[order] if bias is not None else None
+        return GGUFLinear(blocks, t.block, k, bias)
+
+    def norm(module, name: str, size: int):
+        _check_shape(gguf, name, 1, size)
+        module.weight = torch.nn.Parameter(gguf.values(name), requires_grad=False)
+
+    llama = gguf.architecture == "llama"
+    sizes = {"attn_q": (heads * head_dim, hidden), "attn_k": (kv_heads * head_dim, hidden),
+             "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
+             "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    for index, layer in enumerate(inner.layers):
+        for short, path in _LAYER_NAMES.items():
+            rows, k = sizes[short]
+            permuted = {"attn_q": heads, "attn_k": kv_heads}.get(short, 0) if llama else 0
+            module = linear(f"blk.{index}.{short}.weight", rows, k, f"blk.{index}.{short}.bias", permuted)
+            parent, attr = path.split(".")
+            setattr(getattr(layer, parent), attr, module)
+        norm(layer.input_layernorm, f"blk.{index}.attn_norm.weight", hidden)
+        norm(layer.post_attention_layernorm, f"blk.{index}.ffn_norm.weight", hidden)
+    norm(inner.norm, "output_norm.weight", hidden)
+    table = linear("token_embd.weight", config.vocab_size, hidden)
+    inner.embed_tokens = GGUFEmbedding(table)
+    if "output.weight" in gguf.tensors:
+        model.lm_head = linear("output.weight", config.vocab_size, hidden)
+        config.tie_word_embeddings = False
+    else:  # tied: the head multiplies the embedding's blocks
+        model.lm_head = table
+        config.tie_word_embeddings = True
+    with torch.device("cpu"):
+        inner.rotary_emb = type(inner.rotary_emb)(config=config)
+    left = [name for name, tensor in list(model.named_parameters()) + list(model.named_buffers()) if tensor.is_meta]
+    if left:
+        raise GGUFError(f"{gguf.path}: no GGUF tensor for {', '.join(left[:4])}: this model's layout is not the "
+                        "Llama family's")
+    return model.eval()
