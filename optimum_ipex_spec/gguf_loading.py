@@ -37,9 +37,10 @@ class GGUFSource:
 
 
 def wants_gguf(model_id: str, kwargs: dict) -> bool:
-    """True when a ``from_pretrained`` call asks for GGUF weights: ``weights="gguf"``, ``gguf_file=``, or a path to a
-    ``.gguf`` file."""
+    """True when a ``from_pretrained`` call asks for GGUF weights: ``weights="gguf"``, ``gguf_file=``, ``gguf_mode=``,
+    or a path to a ``.gguf`` file."""
     return (kwargs.get("weights") == "gguf" or kwargs.get("gguf_file") is not None
+            or kwargs.get("gguf_mode") is not None
             or (str(model_id).endswith(".gguf") and os.path.isfile(str(model_id))))
 
 
@@ -87,8 +88,13 @@ def check_options(torch_dtype, backend: str, kwargs: dict) -> None:
     Raises:
         ValueError: a dtype other than fp32 (the kernel multiplies fp32 activations; the blocks are the weights'
             precision); ``backend="ipex"``; ``export=False``; options of a hub download (``revision``, ``subfolder``,
-            ``token``...) or ``trust_remote_code``.
+            ``token``...) or ``trust_remote_code``; a ``gguf_mode`` other than "exact" and "fast".
     """
+    from .gguf_weights import MODES
+
+    mode = kwargs.get("gguf_mode")
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"gguf_mode must be one of {MODES}, got {mode!r}")
     if torch_dtype not in (None, "auto", "float32", torch.float32):
         raise ValueError(f"weights='gguf' multiplies fp32 activations by the file's blocks; got torch_dtype="
                          f"{torch_dtype!r}. Leave torch_dtype out (or pass torch.float32)")

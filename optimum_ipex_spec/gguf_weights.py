@@ -60,6 +60,13 @@ BLOCK_TYPES: Dict[int, BlockType] = {t.qtype: t for t in (
 REFERENCE_ROWS = 1024
 
 _SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.cpp"
+_FAST_SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm_vnni.cpp"
+
+#: how a :class:`GGUFLinear` multiplies: "exact" (fp32 activations times the exact dequantized weights) or "fast"
+#: (activations rounded to int8 per block, integer dot products with AVX512-VNNI, as llama.cpp does: its own outputs)
+MODES = ("exact", "fast")
+#: block types the fast kernel runs (F16 / F32 tensors, and rows not a multiple of 64 values, stay exact)
+FAST_TYPES = (2, 3, 6, 8, 12, 13, 14)
 
 
 class GGUFError(ValueError):
@@ -115,6 +122,43 @@ def gguf_kernel_available() -> bool:
     return _kernel_built()
 
 
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_fast_available() -> bool:
+    """True when the fast kernel (``torch.ops.optimum_ipex_spec_gguf_vnni.mm``) runs here: a CPU with AVX512-VNNI
+    (and BW, VL) and the operator built (once per process, cached on disk). False, logged once, otherwise: the fast
+    mode then multiplies as the exact one does."""
+    needed = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"}
+    missing = needed - _cpu_flags()
+    if missing:
+        logger.warning("The fast GGUF mode needs %s, which this CPU lacks: GGUF weights multiply in the exact mode.",
+                       ", ".join(sorted(missing)))
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        name = "optimum_ipex_spec_gguf_vnni_v1_torch" + re.sub(r"\W", "_", torch.__version__)
+        load(name, sources=[str(_FAST_SOURCE)], is_python_module=False, verbose=False,
+             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"])
+        torch.library.register_fake("optimum_ipex_spec_gguf_vnni::mm")(_mm_shape)
+    except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
+        text = str(exc).strip().splitlines()
+        logger.warning("Could not build the fast GGUF kernel (%s: %s): GGUF weights multiply in the exact mode.",
+                       type(exc).__name__, text[0] if text else "")
+        return False
+    return True
+
+
 def _mm_shape(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))
 
@@ -167,12 +211,16 @@ class GGUFLinear(torch.nn.Module):
         block: the :class:`BlockType`.
         in_features: values per row.
         bias: fp32 ``[out]`` or None.
+        mode: "exact" or "fast" (:data:`MODES`); "fast" multiplies exactly where the fast kernel cannot run this
+            layer (:data:`FAST_TYPES`, rows of a multiple of 64 values, :func:`gguf_fast_available`).
 
     Raises:
         GGUFError: ``blocks`` is not uint8 ``[out, row_bytes(block, in_features)]``.
+        ValueError: an unknown ``mode``.
     """
 
-    def __init__(self, blocks: torch.Tensor, block: BlockType, in_features: int, bias: Optional[torch.Tensor] = None):
+    def __init__(self, blocks: torch.Tensor, block: BlockType, in_features: int, bias: Optional[torch.Tensor] = None,
+                 mode: str = "exact"):
         super().__init__()
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(block, in_features):
             raise GGUFError(f"{block.name} blocks of rows of {in_features} values must be uint8 "
@@ -182,8 +230,13 @@ class GGUFLinear(torch.nn.Module):
         self.block = block
         self.qtype = block.qtype
         self.in_features, self.out_features = in_features, blocks.shape[0]
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         #: whether the kernel multiplies (decided once: a plain attribute, which torch.compile reads as a constant)
         self.kernel = gguf_kernel_available()
+        #: whether the fast kernel multiplies (mode "fast" where it runs this layer)
+        self.fast = (mode == "fast" and block.qtype in FAST_TYPES and in_features % 64 == 0
+                     and gguf_fast_available())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.block.name}"
@@ -204,7 +257,9 @@ class GGUFLinear(torch.nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"this GGUF layer takes {self.in_features} input features, got x of shape "
                              f"{tuple(x.shape)}")
-        if self.kernel:
+        if self.fast:
+            out = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, self.blocks, self.qtype, self.in_features)
+        elif self.kernel:
             out = torch.ops.optimum_ipex_spec_gguf.mm(x, self.blocks, self.qtype, self.in_features)
         else:
             out = reference_mm(x, self.blocks, self.qtype, self.in_features)
@@ -358,10 +413,10 @@ def _check_shape(gguf: GGUFFile, name: str, rows: int, k: int) -> GGUFTensor:
     return t
 
 
-def load_gguf_model(gguf: GGUFFile, config) -> torch.nn.Module:
+def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Module:
     """A transformers causal LM of ``config`` (fp32, eval mode) whose projections, LM head and input embedding are
     :class:`GGUFLinear` / :class:`GGUFEmbedding` modules on ``gguf``'s mapped blocks (never dequantized in memory),
-    norms and biases fp32 copies of the file's (small).
+    norms and biases fp32 copies of the file's (small). ``mode``: how the layers multiply (:data:`MODES`).
 
     Raises:
         GGUFError: an architecture other than :data:`ARCHITECTURES`; a tensor missing, or whose shape is not the
@@ -395,7 +450,7 @@ def load_gguf_model(gguf: GGUFFile, config) -> torch.nn.Module:
             order = _unpermute_rows(rows, heads_permuted)
             blocks = blocks.index_select(0, order)  # q and k only: a small copy, rows whole
             bias = bias[order] if bias is not None else None
-        return GGUFLinear(blocks, t.block, k, bias)
+        return GGUFLinear(blocks, t.block, k, bias, mode=mode)
 
     def norm(module, name: str, size: int):
         _check_shape(gguf, name, 1, size)

@@ -836,8 +836,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
     def _from_gguf(cls, model_id: str, kwargs: dict) -> "IPEXModelForCausalLM":
         """``from_pretrained`` of a GGUF file's blocks as shipped (:mod:`~optimum_ipex_spec.gguf_loading` finds the
         file and its config; :mod:`~optimum_ipex_spec.gguf_weights` maps and multiplies the blocks): our decoder, fp32
-        activations. The model's ``source`` is the config folder when that holds a checkpoint (a provisioned model's
-        fp32 folder): ``self_draft()`` then reads it."""
+        activations. ``gguf_mode``: "exact" (default: the dequantized weights times fp32 activations, the provisioned
+        fp32 folder's function) or "fast" (activations rounded to int8 per block, AVX512-VNNI integer products, as
+        llama.cpp computes: its own outputs). The model's ``source`` is the config folder when that holds a checkpoint
+        (a provisioned model's fp32 folder): ``self_draft()`` then reads it."""
         weights = kwargs.pop("weights", "gguf")
         if weights != "gguf":
             raise ValueError(f"gguf_file= holds the file's blocks as shipped (weights='gguf'); got weights={weights!r}. "
@@ -852,7 +854,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         gguf = read_gguf(source.path)  # checked by our reader before transformers reads its metadata
         config, generation_config = read_gguf_config(source)
         check_causal_lm_config(config, model_id)
-        model = load_gguf_model(gguf, config)
+        model = load_gguf_model(gguf, config, mode=kwargs.get("gguf_mode") or "exact")
         checkpoint = None
         if source.folder is not None and any(name.endswith(".safetensors") for name in os.listdir(source.folder)):
             checkpoint = os.path.abspath(source.folder)
@@ -1211,7 +1213,7 @@ register_for_pipelines(IPEXModelForCausalLM.__name__)
 FROM_PRETRAINED_KEYWORDS = (
     "config", "export", "subfolder", "revision", "force_download", "local_files_only", "trust_remote_code",
     "cache_dir", "token", "torch_dtype", "dtype", "backend", "torch_compile", "device_map", "device",
-    "trust_torchscript", "weights", "gguf_file")
+    "trust_torchscript", "weights", "gguf_file", "gguf_mode")
 
 
 def check_from_pretrained_keywords(kwargs: Dict[str, Any]) -> None:

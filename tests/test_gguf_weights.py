@@ -385,3 +385,58 @@ def test_a_config_that_does_not_describe_the_file_is_refused(kernel, tiny_gguf, 
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(GGUFError, match="the config does not describe this file"):
         IPEXModelForCausalLM.from_pretrained(str(copy), gguf_file="model.gguf")
+
+
+# ------------------------------------------------------------------------------------------ the fast mode
+
+
+@pytest.fixture(scope="module")
+def fast_kernel(kernel):
+    if not gw.gguf_fast_available():
+        pytest.skip("the fast GGUF mode needs AVX512-VNNI here")
+
+
+def _fast_reference(x: torch.Tensor, blocks: np.ndarray, block) -> torch.Tensor:
+    """The fast mode's definition in NumPy: each row of x rounded to int8 with one scale per 256 values (K-quants)
+    or per 32 (the others), scale max|x| / 127, times the exact dequantized weights."""
+    k = x.shape[1]
+    group = 256 if block.values == 256 else 32
+    pieces = x.numpy().reshape(x.shape[0], k // group, group).astype(np.float32)
+    top = np.abs(pieces).max(axis=2, keepdims=True)
+    scale = top / np.float32(127)
+    inverse = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    q = np.rint(pieces * inverse)
+    rounded = torch.from_numpy((q * scale).reshape(x.shape[0], k).astype(np.float32))
+    weight = torch.from_numpy(gguf_dequantize(blocks, block)).reshape(blocks.shape[0], k)
+    return rounded.double() @ weight.double().T
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_fast_mode_is_int8_activations_times_the_weights(fast_kernel, name):
+    block, rng = TYPES[name], np.random.default_rng(5)
+    k = 512
+    blocks = random_blocks(block, 37, k, rng)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
+    got = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, torch.from_numpy(blocks), block.qtype, k)
+    torch.testing.assert_close(got.double(), _fast_reference(x, blocks, block), rtol=1e-4, atol=1e-4)
+    alone = torch.cat([torch.ops.optimum_ipex_spec_gguf_vnni.mm(x[m:m + 1], torch.from_numpy(blocks), block.qtype, k)
+                       for m in range(16)])
+    for rows in range(1, 17):
+        assert torch.equal(torch.ops.optimum_ipex_spec_gguf_vnni.mm(x[:rows], torch.from_numpy(blocks), block.qtype, k),
+                           alone[:rows]), f"{rows} rows"
+
+
+@pytest.mark.parametrize("kind", ["int8 self-draft", "prompt lookup", "gguf draft of another seed"])
+def test_speculation_over_a_fast_mode_target_is_lossless(fast_kernel, qwen_gguf, tiny_gguf, kind):
+    folder = qwen_gguf["folder"]
+    target = IPEXModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", gguf_mode="fast")
+    assert any(m.fast for m in target.model.modules() if isinstance(m, GGUFLinear))
+    alone = target.generate(PROMPT, max_new_tokens=24, do_sample=False)
+    extra = _drafts(kind, {**qwen_gguf, "target": target}, tiny_gguf)
+    assert torch.equal(target.generate(PROMPT, max_new_tokens=24, do_sample=False, **extra), alone), kind
+
+
+def test_gguf_mode_is_checked(kernel, tiny_gguf):
+    _, path = tiny_gguf("llama")
+    with pytest.raises(ValueError, match="gguf_mode must be one of"):
+        IPEXModelForCausalLM.from_pretrained(path, gguf_mode="int8")

@@ -207,6 +207,17 @@ inline void dequantize_row(const Format& f, const uint8_t* row, float* y, int64_
 
 // rows of weights dequantized together, and so dots that run side by side
 constexpr int kRowsN = 4;
+
+// Software prefetch of the next group of weight rows (the kRowsN rows after these, contiguous in the tensor), a
+// share of it per step of this group's loop: the hardware prefetcher alone left a decode step waiting on memory
+// (Qwen2.5-0.5B's Q5_0 layers read at 3 GB/s, against 20+ GB/s for a plain sum). A prefetch never faults, so the
+// addresses past the tensor's end that the last group asks for are harmless.
+inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t step, int64_t steps) {
+  const int64_t share = ((bytes + steps - 1) / steps + 63) / 64 * 64;
+  const char* p = reinterpret_cast<const char*>(next) + step * share;
+  for (int64_t i = 0; i < share; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
 // rows of x that share one pass over the dequantized weights
 constexpr int kRowsM = 4;
 // values of k a pass dequantizes at once while every row of x fits one pass (a decode step, a verification)
@@ -244,8 +255,10 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
   __m512 acc[kRowsM][kRowsN];
   zero(acc);
   const int64_t chunk = f.values > kChunkK ? f.values : kChunkK;
+  const int64_t steps = (K + chunk - 1) / chunk;
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
+    prefetch_share(rows + R * row_bytes, kRowsN * row_bytes, k0 / chunk, steps);
     for (int r = 0; r < R; r++)
       for (int64_t b = k0 / f.values; b < k1 / f.values; b++)
         dequantize_block<QT>(rows + r * row_bytes + b * f.bytes, buf + r * chunk + (b * f.values - k0));
@@ -259,7 +272,10 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
 template <int64_t QT, int R>
 void many_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int64_t row_bytes,
                const Format& f, int64_t K, float* buf, float* out, int64_t ldo) {
-  for (int r = 0; r < R; r++) dequantize_row<QT>(f, rows + r * row_bytes, buf + r * K, K);
+  for (int r = 0; r < R; r++) {
+    prefetch_share(rows + R * row_bytes, kRowsN * row_bytes, r, R);
+    dequantize_row<QT>(f, rows + r * row_bytes, buf + r * K, K);
+  }
   __m512 acc[kRowsM][kRowsN];
   int64_t m = 0;
   for (; m + kRowsM <= M; m += kRowsM) {
