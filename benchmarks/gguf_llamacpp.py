@@ -235,8 +235,9 @@ def main(argv=None) -> int:
               "llamacpp_load_s": statistics.median(x for x in llama_load if x is not None) if llama_load else None,
               "acceptance_rate": accepted / proposed if proposed else None}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"### {args.tag + ': ' if args.tag else ''}{args.target} GGUF, {args.threads} thread(s), {len(prompts)} prompts x {args.new_tokens} tokens, "
-             f"{args.rounds} rounds ({result['date']}, {result['cpu']}, torch {result['torch']})", "",
+    title = f"{args.tag}: " if args.tag else ""
+    lines = [f"### {title}{args.target} GGUF, {args.threads} thread(s), {len(prompts)} prompts x {args.new_tokens} "
+             f"tokens, {args.rounds} rounds ({result['date']}, {result['cpu']}, torch {result['torch']})", "",
              "| configuration | decode tok/s | vs llama.cpp alone | worst prompt vs ours alone | TTFT s | "
              "identical to ours alone |", "|---|---|---|---|---|---|"]
     for row in rows:
@@ -250,8 +251,8 @@ def main(argv=None) -> int:
               f"{verify_steps_fast:.2f} (fast mode).",
               f"- RSS of the GGUF target and draft (compiled): {rss_gguf:.2f} GB; the target file "
               f"{result['file_gb']:.2f} GB.",
-              f"- Load of the target file: ours {load_s:.2f} s (eager), {compile_load_s:.1f} s by provisioned name with both "
-              f"graphs compiled; llama.cpp "
+              f"- Load of the target file: ours {load_s:.2f} s (eager), {compile_load_s:.1f} s by provisioned name "
+              f"with both graphs compiled; llama.cpp "
               f"{result['llamacpp_load_s']:.2f} s.",
               f"- Our draft's acceptance rate: {result['acceptance_rate']:.2f}." if proposed else "", ""]
     with open(args.out, "a") as f:

@@ -413,6 +413,12 @@ def _check_shape(gguf: GGUFFile, name: str, rows: int, k: int) -> GGUFTensor:
     return t
 
 
+@functools.lru_cache(maxsize=None)
+def _log_exact_layers_once(path: str, what: str) -> None:
+    logger.warning("%s: the fast mode runs block types Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K with rows of a "
+                   "multiple of 64 values; its layers of %s multiply in the exact mode.", path, what)
+
+
 def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Module:
     """A transformers causal LM of ``config`` (fp32, eval mode) whose projections, LM head and input embedding are
     :class:`GGUFLinear` / :class:`GGUFEmbedding` modules on ``gguf``'s mapped blocks (never dequantized in memory),
@@ -433,7 +439,8 @@ def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Mod
         raise GGUFError(f"{gguf.path} holds a {gguf.architecture} model but the config is {architectures[0]}")
     config.architectures = [expected]
     hidden, inter = config.hidden_size, config.intermediate_size
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)  # the default dtype, fp32: a meta skeleton, no memory
@@ -480,6 +487,11 @@ def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Mod
         config.tie_word_embeddings = True
     with torch.device("cpu"):
         inner.rotary_emb = type(inner.rotary_emb)(config=config)
+    if mode == "fast" and gguf_fast_available():
+        exact = {f"{m.block.name} x {m.in_features}" for m in model.modules()
+                 if isinstance(m, GGUFLinear) and not m.fast}
+        if exact:
+            _log_exact_layers_once(gguf.path, ", ".join(sorted(exact)))
     left = [name for name, tensor in list(model.named_parameters()) + list(model.named_buffers()) if tensor.is_meta]
     if left:
         raise GGUFError(f"{gguf.path}: no GGUF tensor for {', '.join(left[:4])}: this model's layout is not the "

@@ -842,7 +842,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         (a provisioned model's fp32 folder): ``self_draft()`` then reads it."""
         weights = kwargs.pop("weights", "gguf")
         if weights != "gguf":
-            raise ValueError(f"gguf_file= holds the file's blocks as shipped (weights='gguf'); got weights={weights!r}. "
+            raise ValueError(f"gguf_file= holds the file's blocks as shipped (weights='gguf'); got weights={weights!r}"
+                             ". "
                              "For transformers' dequantized copy use AutoModelForCausalLM.from_pretrained(folder, "
                              "gguf_file=...) and from_transformers_model")
         backend, torch_compile = kwargs.get("backend", "auto"), kwargs.get("torch_compile", False)

@@ -152,7 +152,8 @@ class TorchCausalLMDecoder(torch.nn.Module):
           it gains nothing measurable, and a fused copy of a memory-mapped checkpoint's weights would be a second
           one.
         """
-        if all(isinstance(linear, (PackedLinear, GGUFLinear)) for linear in linears):  # held packed already (adopt_packed_layer) or GGUF blocks
+        # held packed already (adopt_packed_layer), or GGUF blocks
+        if all(isinstance(linear, (PackedLinear, GGUFLinear)) for linear in linears):
             return linears[0] if len(linears) == 1 else tuple(linears)
         weights = [linear.weight.detach() for linear in linears]
         if self.weights == "int8":

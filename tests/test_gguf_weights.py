@@ -167,7 +167,8 @@ def write_tiny_gguf(folder, arch: str, seed: int = 0, name: str = "model.gguf", 
         block = TYPES[type_name]
         blocks = random_blocks(block, rows, k, rng)
         if bad_type and gguf_name == "blk.0.attn_q.weight":
-            writer.add_tensor(gguf_name, np.zeros((rows, k // 256 * 84), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+            writer.add_tensor(gguf_name, np.zeros((rows, k // 256 * 84), np.uint8),
+                              raw_dtype=gguf.GGMLQuantizationType.Q2_K)
         else:
             writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType(block.qtype))
         dense = gguf_dequantize(blocks, block).reshape(rows, k)
@@ -190,8 +191,10 @@ def write_tiny_gguf(folder, arch: str, seed: int = 0, name: str = "model.gguf", 
             heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(short, 0) if arch == "llama" else 0
             add(f"blk.{i}.{short}.weight", f"model.layers.{i}.{paths[short]}.weight", PLAN[i][short], rows, k, heads)
             if arch == "qwen2" and short in ("attn_q", "attn_k", "attn_v"):
-                add_f32(f"blk.{i}.{short}.bias", f"model.layers.{i}.{paths[short]}.bias", rng.standard_normal(rows) * 0.1)
-        add_f32(f"blk.{i}.attn_norm.weight", f"model.layers.{i}.input_layernorm.weight", 1 + rng.standard_normal(HIDDEN) * 0.1)
+                add_f32(f"blk.{i}.{short}.bias", f"model.layers.{i}.{paths[short]}.bias",
+                        rng.standard_normal(rows) * 0.1)
+        add_f32(f"blk.{i}.attn_norm.weight", f"model.layers.{i}.input_layernorm.weight",
+                1 + rng.standard_normal(HIDDEN) * 0.1)
         add_f32(f"blk.{i}.ffn_norm.weight", f"model.layers.{i}.post_attention_layernorm.weight",
                 1 + rng.standard_normal(HIDDEN) * 0.1)
     add_f32("output_norm.weight", "model.norm.weight", 1 + rng.standard_normal(HIDDEN) * 0.1)

@@ -168,7 +168,8 @@ __attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, fl
         const __m512 m1v = _mm512_set1_ps(m1);
         const __m512 lo = _mm512_sub_ps(nibble_table(d1, 0), m1v), hi = _mm512_sub_ps(nibble_table(d1, 16), m1v);
         for (int c = 0; c < 2; c++) {
-          __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (g / 2) + 16 * c)));
+          const uint8_t* q = qs + 32 * (g / 2) + 16 * c;
+          __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
           idx = _mm512_and_si512(g % 2 ? _mm512_srli_epi32(idx, 4) : idx, low4);
           const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * c)));
           idx = _mm512_or_si512(idx, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, g), one), 4));
@@ -188,7 +189,8 @@ __attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, fl
         __m512i q = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 64 * h + 32 * (r % 2) + 16 * part)));
         q = _mm512_and_si512(r < 2 ? q : _mm512_srli_epi32(q, 4), low4);
-        const __m512i hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 32 * h + 16 * part)));
+        const uint8_t* high = qh + 32 * h + 16 * part;
+        const __m512i hb = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(high)));
         q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 2 * r), two), 4));
         const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, bias));
         const __m512 scale = _mm512_set1_ps(d * static_cast<float>(scales[i]));

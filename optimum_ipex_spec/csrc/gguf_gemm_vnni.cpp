@@ -224,7 +224,8 @@ void rows_k(const QuantizedRows& xq, int64_t M, const uint8_t* rows, int64_t row
         const uint8_t* qs = QT == Q5_K ? b + 48 : b + 16;
         const uint8_t* qh = b + 16;
         const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-        const __m256i hb = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
+        const __m256i hb =
+            QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
           const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
           __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
@@ -250,7 +251,8 @@ void rows_k(const QuantizedRows& xq, int64_t M, const uint8_t* rows, int64_t row
         }
         acc[m * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d[r] * dx), acc[m * R + r]);
         if (QT != Q6_K) {
-          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.sum32.data() + m * (K / 32) + 8 * s));
+          const int32_t* sub_sums = xq.sum32.data() + m * (K / 32) + 8 * s;
+          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub_sums));
           const int32_t weighted = _mm512_reduce_add_epi32(_mm512_castsi256_si512(_mm256_mullo_epi32(mn[r], sums)));
           mins[m * R + r] += dmin[r] * dx * static_cast<float>(weighted);
         }
