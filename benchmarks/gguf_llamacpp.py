@@ -33,18 +33,9 @@ import time
 from pathlib import Path
 
 from bench import measure_bandwidth_gbs  # benchmarks/bench.py, beside this file
+from pair import _rss as _rss_gb  # benchmarks/pair.py: VmRSS and VmHWM in GB
 
 GB = 1 << 30
-
-
-def _rss_gb() -> dict:
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024 / GB
-    return fields
 
 
 def bytes_per_token(path: str) -> int:
