@@ -71,8 +71,8 @@ def locate(model_id: str, gguf_file: Optional[str]) -> GGUFSource:
     if gguf_file is None:
         found = sorted(name for name in os.listdir(model_id) if name.endswith(".gguf"))
         if len(found) != 1:
-            raise FileNotFoundError(f"{model_id} holds {len(found)} .gguf files ({', '.join(found[:5]) or 'none'}): "
-                                    "name the one to load with gguf_file=")
+            raise FileNotFoundError(f"{model_id} holds {len(found)} .gguf files ({', '.join(found[:5]) or 'none'}), and "
+                                    "weights='gguf' / gguf_mode= load one: name it with gguf_file=")
         gguf_file = found[0]
     if os.path.basename(gguf_file) != gguf_file or gguf_file in (".", ".."):
         raise ValueError(f"gguf_file={gguf_file!r} must be the name of a file inside {model_id}, not a path")

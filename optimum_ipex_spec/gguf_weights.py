@@ -149,7 +149,8 @@ def gguf_fast_available() -> bool:
 
         name = "optimum_ipex_spec_gguf_vnni_v1_torch" + re.sub(r"\W", "_", torch.__version__)
         load(name, sources=[str(_FAST_SOURCE)], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"])
+             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
+                           "-ffp-contract=off"])
         torch.library.register_fake("optimum_ipex_spec_gguf_vnni::mm")(_mm_shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
         text = str(exc).strip().splitlines()
@@ -361,6 +362,8 @@ def read_gguf(path: os.PathLike) -> GGUFFile:
         except Exception:  # noqa: BLE001 - a field of a type this package does not read
             continue
     architecture = str(fields.get("general.architecture", ""))
+    start = int(reader.data_offset)
+    alignment = int(fields.get("general.alignment", 32) or 32)
     tensors = {}
     for t in reader.tensors:
         qtype = int(t.tensor_type)
@@ -372,15 +375,24 @@ def read_gguf(path: os.PathLike) -> GGUFFile:
         if not 1 <= len(dims) <= 2:
             raise GGUFError(f"{path}: tensor {t.name} has {len(dims)} dimensions; a decoder's weights have 1 or 2")
         k, rows = dims[0], (dims[1] if len(dims) == 2 else 1)
+        if k < 1 or rows < 1:
+            raise GGUFError(f"{path}: tensor {t.name} has an empty dimension ({dims}): a damaged file")
         if k % block.values:
             raise GGUFError(f"{path}: tensor {t.name} has rows of {k} values, not whole {block.name} blocks")
         nbytes = rows * (k // block.values) * block.bytes
         offset = int(t.data_offset)
-        if offset < 0 or offset + nbytes > size or int(t.n_bytes) != nbytes:
-            raise GGUFError(f"{path}: tensor {t.name} needs {nbytes} bytes at offset {offset}, which the file "
-                            f"({size} bytes) does not hold: a truncated or damaged file")
+        if offset < start or offset + nbytes > size or int(t.n_bytes) != nbytes or (offset - start) % alignment:
+            raise GGUFError(f"{path}: tensor {t.name} needs {nbytes} bytes at offset {offset}, which the file's data "
+                            f"section ({start} to {size}, aligned to {alignment}) does not hold: a truncated or "
+                            "damaged file")
+        if t.name in tensors:
+            raise GGUFError(f"{path}: two tensors are named {t.name}: a damaged file")
         tensors[t.name] = GGUFTensor(t.name, block, rows, k, offset, nbytes)
     del reader
+    ranges = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
+    for (_, end, name), (begin, _, other) in zip(ranges, ranges[1:]):
+        if begin < end:  # a header's offsets may not make two tensors share bytes
+            raise GGUFError(f"{path}: tensors {name} and {other} overlap in the file: a damaged file")
     return GGUFFile(path, architecture, fields, tensors, size)
 
 
@@ -399,8 +411,41 @@ _LAYER_NAMES = {  # GGUF name in block i -> the decoder layer's module path
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     """The row order that undoes llama.cpp's rotary permutation of ``attn_q`` / ``attn_k`` (``heads`` of them): row
     ``i`` of the result is row ``order[i]`` of the file (transformers' ``_reverse_permute_weights`` on indices)."""
+    if rows % (2 * heads):
+        raise GGUFError(f"{rows} rows of attn_q/attn_k cannot be {heads} heads of an even size: the config does not "
+                        "describe this file")
     dim = rows // heads // 2
     return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _check_metadata(gguf: GGUFFile, config) -> None:
+    """The config's layer and head counts against the file's own metadata (where the file records them), and no
+    layer in the file beyond the config's: tensor shapes alone cannot tell 8 heads of 64 from 4 of 128."""
+    arch = gguf.architecture
+    recorded = {"block_count": config.num_hidden_layers, "attention.head_count": config.num_attention_heads,
+                "attention.head_count_kv": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                "embedding_length": config.hidden_size}
+    for key, value in recorded.items():
+        found = gguf.fields.get(f"{arch}.{key}")
+        if found is not None and not isinstance(found, (list, str)) and int(found) != int(value):
+            raise GGUFError(f"{gguf.path} records {arch}.{key} = {found}, the config has {value}: the config does not "
+                            "describe this file")
+    rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    for key, value in (("rope.freq_base", rope), ("attention.layer_norm_rms_epsilon", getattr(config, "rms_norm_eps",
+                                                                                                None))):
+        found = gguf.fields.get(f"{arch}.{key}")
+        if (found is not None and value is not None and not isinstance(found, (list, str))
+                and abs(float(found) - float(value)) > 1e-6 * abs(float(value))):  # the file holds fp32
+            raise GGUFError(f"{gguf.path} records {arch}.{key} = {found}, the config has {value}: the config does not "
+                            "describe this file")
+    embedding = gguf.tensors.get("token_embd.weight")
+    if embedding is not None and embedding.rows != config.vocab_size:
+        raise GGUFError(f"{gguf.path}: token_embd.weight has {embedding.rows} rows, the config's vocab_size is "
+                        f"{config.vocab_size}: the config does not describe this file")
+    layers = {int(name.split(".")[1]) for name in gguf.tensors if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    if layers and max(layers) >= config.num_hidden_layers:
+        raise GGUFError(f"{gguf.path} has {max(layers) + 1} layers, the config {config.num_hidden_layers}: the config "
+                        "does not describe this file")
 
 
 def _check_shape(gguf: GGUFFile, name: str, rows: int, k: int) -> GGUFTensor:
@@ -438,6 +483,7 @@ def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Mod
     if architectures[0] != expected:
         raise GGUFError(f"{gguf.path} holds a {gguf.architecture} model but the config is {architectures[0]}")
     config.architectures = [expected]
+    _check_metadata(gguf, config)
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -718,6 +718,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 in this model's own dtype (not cheaper); ``weights="int8"`` with a dtype other than bf16 or
                 ``backend="ipex"``; an unknown ``weights``.
         """
+        if weights == "gguf":
+            raise ValueError("a GGUF draft is a file of its own: IPEXModelForCausalLM.from_pretrained(<file or "
+                             "provisioned name>, weights='gguf'); self_draft() makes dense or int8 copies")
         if not self.source:
             raise ValueError(
                 "self_draft() needs the checkpoint this model was exported from; export it with "
@@ -725,9 +728,6 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
-        if weights == "gguf":
-            raise ValueError("a GGUF draft is a file of its own: IPEXModelForCausalLM.from_pretrained(<file or "
-                             "provisioned name>, weights='gguf'); self_draft() makes dense or int8 copies")
         check_torch_compile_flag(torch_compile)
         if weights == "int8":
             if resolve_dtype(torch_dtype) != torch.bfloat16 or backend == "ipex":
@@ -842,8 +842,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         (a provisioned model's fp32 folder): ``self_draft()`` then reads it."""
         weights = kwargs.pop("weights", "gguf")
         if weights != "gguf":
-            raise ValueError(f"gguf_file= holds the file's blocks as shipped (weights='gguf'); got weights={weights!r}"
-                             ". "
+            raise ValueError(f"a GGUF file (gguf_file=, a .gguf path, gguf_mode=) is held as shipped (weights='gguf'); "
+                             f"got weights={weights!r}. "
                              "For transformers' dequantized copy use AutoModelForCausalLM.from_pretrained(folder, "
                              "gguf_file=...) and from_transformers_model")
         backend, torch_compile = kwargs.get("backend", "auto"), kwargs.get("torch_compile", False)

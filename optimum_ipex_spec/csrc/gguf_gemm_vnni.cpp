@@ -55,12 +55,16 @@ struct QuantizedRows {
       const float* row = x + m * K;
       for (int64_t g = 0; g < K / group; g++) {
         __m512 amax = _mm512_setzero_ps();
-        for (int64_t k = g * group; k < (g + 1) * group; k += 16)
-          amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
-        const float top = _mm512_reduce_max_ps(amax);
-        const float scale = top / 127.0f;
+        __mmask16 nan = 0;  // max_ps drops a NaN; a NaN activation must give NaN outputs, as the exact mode does
+        for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+          const __m512 v = _mm512_loadu_ps(row + k);
+          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        }
+        const float top = nan ? NAN : _mm512_reduce_max_ps(amax);
+        const float scale = top / 127.0f;  // an infinite activation: an infinite scale, 0 codes, NaN outputs
         d[m * (K / group) + g] = scale;
-        const __m512 inv = _mm512_set1_ps(top > 0 ? 127.0f / top : 0.0f);
+        const __m512 inv = _mm512_set1_ps(top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f);
         for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
           const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), inv));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + m * K + k), _mm512_cvtsepi32_epi8(v));
@@ -253,7 +257,7 @@ void rows_k(const QuantizedRows& xq, int64_t M, const uint8_t* rows, int64_t row
         if (QT != Q6_K) {
           const int32_t* sub_sums = xq.sum32.data() + m * (K / 32) + 8 * s;
           const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub_sums));
-          const int32_t weighted = _mm512_reduce_add_epi32(_mm512_castsi256_si512(_mm256_mullo_epi32(mn[r], sums)));
+          const int32_t weighted = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_mullo_epi32(mn[r], sums)));
           mins[m * R + r] += dmin[r] * dx * static_cast<float>(weighted);
         }
       }
