@@ -36,6 +36,8 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+from .packed_gemm import OPENMP
+
 logger = logging.getLogger(__name__)
 
 
@@ -98,7 +100,8 @@ def _kernel_built() -> bool:
         # the torch version in the name: two torch versions sharing one TORCH_EXTENSIONS_DIR keep a build each
         name = "optimum_ipex_spec_gguf_gemm_v1_torch" + re.sub(r"\W", "_", torch.__version__)
         load(name, sources=[str(_SOURCE)], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx512f", "-mfma", "-mf16c", "-ffp-contract=off"])
+             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-ffp-contract=off", *OPENMP],
+             extra_ldflags=OPENMP)
         torch.library.register_fake("optimum_ipex_spec_gguf::mm")(_mm_shape)
         torch.library.register_fake("optimum_ipex_spec_gguf::dequantize")(_dequantize_shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
@@ -150,7 +153,7 @@ def gguf_fast_available() -> bool:
         name = "optimum_ipex_spec_gguf_vnni_v1_torch" + re.sub(r"\W", "_", torch.__version__)
         load(name, sources=[str(_FAST_SOURCE)], is_python_module=False, verbose=False,
              extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
-                           "-ffp-contract=off"])
+                           "-ffp-contract=off", *OPENMP], extra_ldflags=OPENMP)
         torch.library.register_fake("optimum_ipex_spec_gguf_vnni::mm")(_mm_shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
         text = str(exc).strip().splitlines()

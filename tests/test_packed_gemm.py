@@ -259,7 +259,7 @@ def test_a_failed_build_is_logged_and_the_chunk_graph_keeps_inductors_gemms(monk
     def no_build(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_build)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_build)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec"):
         assert packed_gemm._kernel_built.__wrapped__() is False
