@@ -8,12 +8,17 @@
 //
 // Activations, per row (as llama.cpp quantizes them for these weights, ggml's q8_0 and q8_K):
 //   - blocks of 32 values (Q4_0, Q4_1, Q5_0, Q8_0): d = max|x| / 127, q = round(x / d), one d per block
-//   - K-quants (Q4_K, Q5_K, Q6_K): one d per 256 values, and the sum of q per 32 (the weights' mins)
-// Weights are read as their unsigned codes (0..15, 0..31, 0..63, or int8 + 128) and multiplied by the int8
-// activations with vpdpbusd (4 products a lane); zero points and scales are applied to the integer sums, mins to
-// the activation sums. Each output is the same sequence of operations whatever M is, so a row gets the same bits
-// alone as among others: speculative decoding over a target in this mode returns that target's own greedy tokens.
-// K must be a multiple of 64 (and of the block's values); the caller uses the exact kernel otherwise.
+//   - K-quants (Q4_K, Q5_K, Q6_K): one d per 256 values, and the sums of q per 32 (the weights' mins) or 16 (Q6_K)
+// stored in the order the weights' codes come out of their bytes, so a code vector meets its activations without a
+// shuffle. Weights are read as unsigned codes (0..15, 0..31, 0..63, or int8 + 128), one weight row at a time for up
+// to 4 rows of x (a decode step, a verification; more rows go 4 at a time): each super-block's (or pair of blocks')
+// codes and scales are decoded once, then multiplied by each row of x with integer dot products (vpmaddubsw and
+// vpmaddwd/vpdpwssd by the scales for the K types, vpdpbusd for the others); zero points apply to the integer sums,
+// mins to the activation sums, and one fp32 multiply-add per super-block (pair of blocks) scales the result. Each
+// output is the same sequence of operations whatever M is, so a row gets the same bits alone as among others:
+// speculative decoding over a target in this mode returns that target's own greedy tokens. Weight rows are split
+// between torch's threads (built with OpenMP), each row computed by one thread. K must be a multiple of 64 (and of
+// the block's values); the caller uses the exact kernel otherwise.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,266 +40,319 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-inline bool k_quant(int64_t qtype) { return qtype == Q4_K || qtype == Q5_K || qtype == Q6_K; }
+// values x[0..n) (n a multiple of 16) rounded to int8 codes q with one scale, returned: d = max|x| / 127,
+// q = round(x / d), nearest even; a NaN among them gives a NaN scale (and NaN outputs), an infinity an infinite one
+inline float quantize_group(const float* x, int64_t n, int8_t* q) {
+  __m512 amax = _mm512_setzero_ps();
+  __mmask16 nan = 0;  // max_ps drops a NaN; a NaN activation must give NaN outputs, as the exact mode does
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+  }
+  const float top = nan ? NAN : _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f);
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(v));
+  }
+  return top / 127.0f;
+}
 
-// one row of x quantized for a block type: q (K int8), the scale per group (32 or 256 values), the sum of q per
-// 32 values, and per 64 values the 16 lane sums of 4 q each (what a zero point subtracts)
-struct QuantizedRows {
-  int64_t K, group;
+// ------------------------------------------------------------------------------------------------ the K types
+// Activations for the K types, per row of x: the int8 codes in the order the weights' codes come out of their bytes
+// (Q4_K, Q5_K: each 128 values as [0-31, 64-95, 32-63, 96-127], since byte j of a 64-value chunk holds values j and
+// j + 32 in its two nibbles; Q6_K: natural order), one scale per 256 values, and the int16 sums of the codes per 16
+// values (Q6_K: what its zero point subtracts, scale by scale) or per 32 (Q4_K, Q5_K: what the mins subtract)
+struct KActivations {
+  int64_t K, per;
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int32_t> sum32;
-  std::vector<__m512i> lanes;
-  std::vector<__m512> lane_d;  // blocks of 32 only: per 64 values, lanes 0-7 the first block's d, 8-15 the second's
+  std::vector<int16_t> sums;
 
-  QuantizedRows(const float* x, int64_t M, int64_t K_, int64_t group_)
-      : K(K_), group(group_), q(M * K_), d(M * (K_ / group_)), sum32(M * (K_ / 32)), lanes(M * (K_ / 64)),
-        lane_d(group_ == 32 ? M * (K_ / 64) : 0) {
-    const __m512i ones = _mm512_set1_epi8(1);
+  KActivations(const float* x, int64_t M, int64_t K_, bool interleave, int64_t per_)
+      : K(K_), per(per_), q(M * K_), d(M * (K_ / 256)), sums(M * (K_ / per_)) {
+    std::vector<int8_t> natural(K);
     for (int64_t m = 0; m < M; m++) {
-      const float* row = x + m * K;
-      for (int64_t g = 0; g < K / group; g++) {
-        __m512 amax = _mm512_setzero_ps();
-        __mmask16 nan = 0;  // max_ps drops a NaN; a NaN activation must give NaN outputs, as the exact mode does
-        for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
-          const __m512 v = _mm512_loadu_ps(row + k);
-          nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-          amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      for (int64_t g = 0; g < K / 256; g++)
+        d[m * (K / 256) + g] = quantize_group(x + m * K + 256 * g, 256, natural.data() + 256 * g);
+      for (int64_t j = 0; j < K / per; j++) {
+        int32_t s = 0;  // at most 32 * 127 in magnitude
+        for (int64_t i = 0; i < per; i++) s += natural[per * j + i];
+        sums[m * (K / per) + j] = static_cast<int16_t>(s);
+      }
+      int8_t* out = q.data() + m * K;
+      for (int64_t c = 0; c < K; c += 128)
+        for (int piece = 0; piece < 4; piece++) {
+          static const int from[4] = {0, 64, 32, 96};
+          std::memcpy(out + c + 32 * piece, natural.data() + c + (interleave ? from[piece] : 32 * piece), 32);
         }
-        const float top = nan ? NAN : _mm512_reduce_max_ps(amax);
-        const float scale = top / 127.0f;  // an infinite activation: an infinite scale, 0 codes, NaN outputs
-        d[m * (K / group) + g] = scale;
-        const __m512 inv = _mm512_set1_ps(top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f);
-        for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
-          const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + k), inv));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + m * K + k), _mm512_cvtsepi32_epi8(v));
-        }
-      }
-      for (int64_t b = 0; b < K / 32; b++) {
-        int32_t s = 0;
-        for (int i = 0; i < 32; i++) s += q[m * K + 32 * b + i];
-        sum32[m * (K / 32) + b] = s;
-      }
-      for (int64_t c = 0; c < K / 64; c++) {
-        lanes[m * (K / 64) + c] = _mm512_dpbusd_epi32(
-            _mm512_setzero_si512(), ones, _mm512_loadu_si512(q.data() + m * K + 64 * c));
-        if (group == 32)
-          lane_d[m * (K / 64) + c] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d[m * (K / 32) + 2 * c]),
-                                                          _mm512_set1_ps(d[m * (K / 32) + 2 * c + 1]));
-      }
     }
   }
-  const int8_t* row(int64_t m) const { return q.data() + m * K; }
 };
 
-inline __m512i two_halves(__m256i lo, __m256i hi) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
-
-// the 32 codes of a 32-value block of nibbles (16 bytes: values 0..15 low nibbles, 16..31 high)
-inline __m256i nibble_codes(const uint8_t* qs) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
-}
-
-// lanes 0-7 = a, 8-15 = b
-inline __m512 two_scales(float a, float b) {
-  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b));
-}
-constexpr int kRowsN = 4;
-
-// Software prefetch of the next group of weight rows (the kRowsN rows after these, contiguous in the tensor), a
-// share of it per step of this group's loop: the hardware prefetcher alone left a decode step waiting on memory
-// (Qwen2.5-0.5B's Q5_0 layers read at 3 GB/s, against 20+ GB/s for a plain sum). A prefetch never faults, so the
-// addresses past the tensor's end that the last group asks for are harmless.
-inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t step, int64_t steps) {
-  const int64_t share = ((bytes + steps - 1) / steps + 63) / 64 * 64;
-  const char* p = reinterpret_cast<const char*>(next) + step * share;
-  for (int64_t i = 0; i < share; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-}
-
-
-// blocks of 32: per pair of blocks (64 values), the R rows' codes, weight scales (and mins), then every row of x
-template <int64_t QT, int R>
-void rows_32(const QuantizedRows& xq, int64_t M, const uint8_t* rows, int64_t row_bytes, int64_t bytes, int64_t K,
-             float* out, int64_t ldo) {
-  std::vector<__m512> acc(M * R, _mm512_setzero_ps());
-  for (int64_t c = 0; c < K / 64; c++) {
-    prefetch_share(rows + R * row_bytes, kRowsN * row_bytes, c, K / 64);
-    __m512i codes[R];
-    __m512 dw[R], mw[R];
-    for (int r = 0; r < R; r++) {
-      __m256i half_codes[2];
-      float d2[2], m2[2] = {0.0f, 0.0f};
-      for (int i = 0; i < 2; i++) {
-        const uint8_t* b = rows + r * row_bytes + (2 * c + i) * bytes;
-        d2[i] = half(b);
-        if (QT == Q4_0) {
-          half_codes[i] = nibble_codes(b + 2);
-        } else if (QT == Q4_1) {
-          m2[i] = half(b + 2);
-          half_codes[i] = nibble_codes(b + 4);
-        } else if (QT == Q5_0) {
-          uint32_t qh;
-          std::memcpy(&qh, b + 2, 4);
-          half_codes[i] = _mm256_or_si256(nibble_codes(b + 6),
-                                          _mm256_and_si256(_mm256_movm_epi8(qh), _mm256_set1_epi8(0x10)));
-        } else {  // Q8_0: int8 + 128
-          half_codes[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
-                                           _mm256_set1_epi8(static_cast<char>(0x80)));
-        }
-      }
-      codes[r] = two_halves(half_codes[0], half_codes[1]);
-      dw[r] = two_scales(d2[0], d2[1]);
-      mw[r] = two_scales(m2[0], m2[1]);
+// a pshufb control: every int16 word of 128-bit lane L takes byte index[L] of that lane, into its low byte with the
+// high byte zero (unsigned scales), or into its high byte with the low byte zero (signed: shifted down after)
+inline __m512i word_picks(const int (&index)[4], bool high) {
+  alignas(64) uint8_t ctl[64];
+  for (int lane = 0; lane < 4; lane++)
+    for (int w = 0; w < 8; w++) {
+      ctl[16 * lane + 2 * w] = high ? 0x80 : static_cast<uint8_t>(index[lane]);
+      ctl[16 * lane + 2 * w + 1] = high ? static_cast<uint8_t>(index[lane]) : 0x80;
     }
-    constexpr int shift = QT == Q4_0 ? 3 : QT == Q5_0 ? 4 : QT == Q8_0 ? 7 : -1;  // zero point 8, 16, 128
-    for (int64_t m = 0; m < M; m++) {
-      const __m512i xv = _mm512_loadu_si512(xq.row(m) + 64 * c);
-      const __m512 dx = xq.lane_d[m * (K / 64) + c];
-      const __m512i xl = xq.lanes[m * (K / 64) + c];
-      const __m512i zero_point = shift >= 0 ? _mm512_slli_epi32(xl, shift > 0 ? shift : 0) : _mm512_setzero_si512();
-      for (int r = 0; r < R; r++) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[r], xv);
-        if (shift >= 0) dot = _mm512_sub_epi32(dot, zero_point);
-        __m512 a = acc[m * R + r];
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[r], dx), a);
-        if (QT == Q4_1) a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(xl), _mm512_mul_ps(mw[r], dx), a);
-        acc[m * R + r] = a;
-      }
-    }
+  return _mm512_load_si512(ctl);
+}
+
+// 16-bit shift counts: a for the low 256 bits, b for the high
+inline __m512i counts(int a, int b) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
+}
+
+// The scale of each int16 word of vpmaddubsw(codes[c], x) (a word per 2 values), by 128-bit lane. Q4_K/Q5_K: codes
+// [sub-blocks 0|2], [1|3], [4|6], [5|7] (a sub-block per 256 bits); Q6_K: values 64c..64c+63, a scale per 16 values.
+const int kPickQ4[4][4] = {{0, 0, 2, 2}, {1, 1, 3, 3}, {4, 4, 6, 6}, {5, 5, 7, 7}};
+const int kPickQ6[4][4] = {{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}};
+
+// How far ahead of the super-block being read the kernel prefetches (the hardware prefetcher alone left a decode
+// step waiting on memory); a prefetch never faults, so the addresses past a tensor's end are harmless
+constexpr int64_t kAhead = 4096;
+
+// One weight row of a K type times MB rows of x (from m0). Per super-block: the row's 256 codes as 4 vectors in the
+// activations' order and its scales as int16 words, once; then per row of x 4 vpmaddubsw (int16 words of 2
+// products), 4 vpmaddwd/vpdpwssd by the scales into 16 int32 lanes, one fp32 multiply-add by d * dx; the mins (Q4_K, Q5_K) or the zero point 32 (Q6_K) apply to the code sums. A row of x goes through the same
+// operations whatever MB is.
+template <int64_t QT, int MB>
+void row_k(const KActivations& xa, int64_t m0, const uint8_t* row, int64_t bytes, float* out, int64_t ldo) {
+  const int64_t K = xa.K, supers = K / 256;
+  __m512 acc[MB];
+  __m128 minsum[MB];
+  for (int m = 0; m < MB; m++) {
+    acc[m] = _mm512_setzero_ps();
+    minsum[m] = _mm_setzero_ps();
   }
-  for (int64_t m = 0; m < M; m++)
-    for (int r = 0; r < R; r++) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m * R + r]);
-}
-
-// K-quants: per super-block of 256, the R rows' codes (4 chunks of 64) with integer scales per lane, an integer
-// accumulator per (row of x, weight row) scaled once by d * dx, and the mins against the activation sums
-template <int64_t QT, int R>
-void rows_k(const QuantizedRows& xq, int64_t M, const uint8_t* rows, int64_t row_bytes, int64_t bytes, int64_t K,
-            float* out, int64_t ldo) {
-  std::vector<__m512> acc(M * R, _mm512_setzero_ps());
-  std::vector<float> mins(M * R, 0.0f);
-  const int64_t supers = K / 256;
-  const __m512i repeat4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i pair8 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  static const __m512i ctl[4] = {word_picks(QT == Q6_K ? kPickQ6[0] : kPickQ4[0], QT == Q6_K),
+                                 word_picks(QT == Q6_K ? kPickQ6[1] : kPickQ4[1], QT == Q6_K),
+                                 word_picks(QT == Q6_K ? kPickQ6[2] : kPickQ4[2], QT == Q6_K),
+                                 word_picks(QT == Q6_K ? kPickQ6[3] : kPickQ4[3], QT == Q6_K)};
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t s = 0; s < supers; s++) {
-    prefetch_share(rows + R * row_bytes, kRowsN * row_bytes, s, supers);
-    __m512i codes[R][4], scales[R][4];
-    float d[R], dmin[R];
-    __m256i mn[R];
-    for (int r = 0; r < R; r++) {
-      const uint8_t* b = rows + r * row_bytes + s * bytes;
-      if (QT == Q6_K) {
-        const uint8_t* ql = b;
-        const uint8_t* qh = b + 128;
-        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-        d[r] = half(b + 208);
-        dmin[r] = 0.0f;
-        const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-        for (int h = 0; h < 2; h++) {
-          const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-          const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-          auto high = [&](int shift) {
-            return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, shift), two), 4);
-          };
-          const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l0, low4), high(0));
-          const __m256i q1 = _mm256_or_si256(_mm256_and_si256(l1, low4), high(2));
-          const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), high(4));
-          const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), high(6));
-          codes[r][2 * h] = two_halves(q0, q1);
-          codes[r][2 * h + 1] = two_halves(q2, q3);
-        }
-        // the 16 scales (one per 16 values), each repeated over the 4 lanes of its values
-        const __m512i all = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-        for (int c = 0; c < 4; c++)
-          scales[r][c] = _mm512_permutexvar_epi32(_mm512_add_epi32(repeat4, _mm512_set1_epi32(4 * c)), all);
-      } else {
-        d[r] = half(b);
-        dmin[r] = half(b + 2);
-        // the 8 six-bit scales and mins from the 12 bytes as three 32-bit words: bytes 0-3 hold the low 6 bits of
-        // scales 0-3 (top 2 bits: scales 4-7's), 4-7 of mins 0-3 (likewise), 8-11 the low 4 bits of scales/mins 4-7
-        uint32_t w[3];
-        std::memcpy(w, b + 4, 12);
-        const uint32_t low6 = 0x3f3f3f3f, nib = 0x0f0f0f0f, top2 = 0x03030303;
-        const uint64_t sc8 = static_cast<uint64_t>(w[0] & low6) |
-                             (static_cast<uint64_t>((w[2] & nib) | (((w[0] >> 6) & top2) << 4)) << 32);
-        const uint64_t mn8 = static_cast<uint64_t>(w[1] & low6) |
-                             (static_cast<uint64_t>(((w[2] >> 4) & nib) | (((w[1] >> 6) & top2) << 4)) << 32);
-        const __m512i sc16 = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc8)));
-        mn[r] = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn8)));
-        const uint8_t* qs = QT == Q5_K ? b + 48 : b + 16;
-        const uint8_t* qh = b + 16;
-        const __m256i low4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-        const __m256i hb =
-            QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)) : _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-          __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-          if (QT == Q5_K) {
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
-          }
-          codes[r][c] = two_halves(lo, hi);
-          scales[r][c] = _mm512_permutexvar_epi32(_mm512_add_epi32(pair8, _mm512_set1_epi32(2 * c)), sc16);
-        }
+    const uint8_t* b = row + s * bytes;
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b) + kAhead + o, _MM_HINT_T0);
+    __m512i codes[4], scale[4];
+    float d, dmin = 0.0f;
+    __m128i mn = _mm_setzero_si128();
+    __m256i sc16 = _mm256_setzero_si256();
+    if (QT == Q6_K) {
+      // ql: 128 bytes, two halves of 64 (values 0-31 | 32-63 low nibbles, 64-95 | 96-127 high nibbles, per half of
+      // 128 values); qh: 64 bytes, 2 bits per value (bits 0-1, 2-3, 4-5, 6-7: the four 32-value pieces of a half)
+      d = half(b + 208);
+      const __m512i top2 = _mm512_set1_epi8(0x30);
+      for (int h = 0; h < 2; h++) {
+        const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+        codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                       _mm512_and_si512(_mm512_sllv_epi16(qh, counts(4, 2)), top2));
+        codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(qh, counts(0, 2)), top2));
+      }
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+      const __m512i all = _mm512_broadcast_i32x4(sc8);
+      for (int c = 0; c < 4; c++) scale[c] = _mm512_srai_epi16(_mm512_shuffle_epi8(all, ctl[c]), 8);
+      sc16 = _mm256_cvtepi8_epi16(sc8);
+    } else {
+      d = half(b);
+      dmin = half(b + 2);
+      // the 8 six-bit scales and mins from 12 bytes read as three 32-bit words: bytes 0-3 hold the low 6 bits of
+      // scales 0-3 (top 2 bits: scales 4-7's), 4-7 of mins 0-3 (likewise), 8-11 the low 4 bits of scales/mins 4-7
+      uint32_t w[3];
+      std::memcpy(w, b + 4, 12);
+      const uint32_t low6 = 0x3f3f3f3f, nib = 0x0f0f0f0f, top2 = 0x03030303;
+      const uint64_t sc8 = static_cast<uint64_t>(w[0] & low6) |
+                           (static_cast<uint64_t>((w[2] & nib) | (((w[0] >> 6) & top2) << 4)) << 32);
+      const uint64_t mn8 = static_cast<uint64_t>(w[1] & low6) |
+                           (static_cast<uint64_t>(((w[2] >> 4) & nib) | (((w[1] >> 6) & top2) << 4)) << 32);
+      const __m512i all = _mm512_set1_epi64(static_cast<int64_t>(sc8));
+      for (int c = 0; c < 4; c++) scale[c] = _mm512_shuffle_epi8(all, ctl[c]);
+      mn = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(mn8)));
+      const uint8_t* qs = QT == Q5_K ? b + 48 : b + 16;
+      for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_loadu_si512(qs + 64 * h);
+        codes[2 * h] = _mm512_and_si512(q, low4);
+        codes[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+      }
+      if (QT == Q5_K) {  // qh: 32 bytes, bit j of byte i the fifth bit of value i of sub-block j
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        codes[0] = _mm512_or_si512(codes[0], _mm512_and_si512(_mm512_sllv_epi16(qh, counts(4, 2)), bit4));
+        codes[1] = _mm512_or_si512(codes[1], _mm512_and_si512(_mm512_sllv_epi16(qh, counts(3, 1)), bit4));
+        codes[2] = _mm512_or_si512(codes[2], _mm512_and_si512(_mm512_srlv_epi16(qh, counts(0, 2)), bit4));
+        codes[3] = _mm512_or_si512(codes[3], _mm512_and_si512(_mm512_srlv_epi16(qh, counts(1, 3)), bit4));
       }
     }
-    for (int64_t m = 0; m < M; m++) {
-      const int8_t* xr = xq.row(m) + 256 * s;
-      const float dx = xq.d[m * supers + s];
-      for (int r = 0; r < R; r++) {
-        __m512i total = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[r][c], _mm512_loadu_si512(xr + 64 * c));
-          if (QT == Q6_K)  // zero point 32
-            dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(xq.lanes[m * (K / 64) + 4 * s + c], 5));
-          total = _mm512_add_epi32(total, _mm512_mullo_epi32(dot, scales[r][c]));
-        }
-        acc[m * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d[r] * dx), acc[m * R + r]);
-        if (QT != Q6_K) {
-          const int32_t* sub_sums = xq.sum32.data() + m * (K / 32) + 8 * s;
-          const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub_sums));
-          const int32_t weighted = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_mullo_epi32(mn[r], sums)));
-          mins[m * R + r] += dmin[r] * dx * static_cast<float>(weighted);
-        }
+    for (int m = 0; m < MB; m++) {
+      const int64_t xm = m0 + m;
+      const int8_t* x = xa.q.data() + xm * K + 256 * s;
+      // a word per 2 products (|word| <= 2 * 63 * 127: vpmaddubsw never saturates here), times its scale
+      __m512i total = _mm512_madd_epi16(_mm512_maddubs_epi16(codes[0], _mm512_loadu_si512(x)), scale[0]);
+      for (int c = 1; c < 4; c++)
+        total = _mm512_dpwssd_epi32(total, _mm512_maddubs_epi16(codes[c], _mm512_loadu_si512(x + 64 * c)), scale[c]);
+      const float dx = xa.d[xm * supers + s];
+      if (QT == Q6_K) {  // codes are q + 32: subtract 32 * sum over 16-value groups of scale * code sum
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.sums.data() + xm * (K / 16) + 16 * s));
+        const __m256i zero_point = _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5);
+        total = _mm512_sub_epi32(total, _mm512_zextsi256_si512(zero_point));
+      } else {
+        const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xa.sums.data() + xm * (K / 32) + 8 * s));
+        minsum[m] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mn, sums)), _mm_set1_ps(dmin * dx), minsum[m]);
       }
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d * dx), acc[m]);
     }
   }
-  for (int64_t m = 0; m < M; m++)
-    for (int r = 0; r < R; r++) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m * R + r]) - mins[m * R + r];
+  for (int m = 0; m < MB; m++) {
+    const __m128 pair = _mm_add_ps(minsum[m], _mm_movehl_ps(minsum[m], minsum[m]));
+    const float mins = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    out[m * ldo] = _mm512_reduce_add_ps(acc[m]) - mins;
+  }
 }
 
 template <int64_t QT>
-void mm_rows(const QuantizedRows& xq, int64_t M, const uint8_t* wp, int64_t row_bytes, int64_t bytes, float* op,
-             int64_t N, int64_t K) {
-  const int64_t groups = (N + kRowsN - 1) / kRowsN;
-  at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(M * kRowsN);
-    for (int64_t g = begin; g < end; g++) {
-      const int64_t n0 = g * kRowsN;
-      const int R = static_cast<int>(N - n0 < kRowsN ? N - n0 : kRowsN);
-      const uint8_t* rows = wp + n0 * row_bytes;
-      float* t = tile.data();
-      if (k_quant(QT)) {
-        switch (R) {
-          case 4: rows_k<QT, 4>(xq, M, rows, row_bytes, bytes, K, t, kRowsN); break;
-          case 3: rows_k<QT, 3>(xq, M, rows, row_bytes, bytes, K, t, kRowsN); break;
-          case 2: rows_k<QT, 2>(xq, M, rows, row_bytes, bytes, K, t, kRowsN); break;
-          default: rows_k<QT, 1>(xq, M, rows, row_bytes, bytes, K, t, kRowsN);
-        }
-      } else {
-        switch (R) {
-          case 4: rows_32<QT, 4>(xq, M, rows, row_bytes, bytes, K, t, kRowsN); break;
-          case 3: rows_32<QT, 3>(xq, M, rows, row_bytes, bytes, K, t, kRowsN); break;
-          case 2: rows_32<QT, 2>(xq, M, rows, row_bytes, bytes, K, t, kRowsN); break;
-          default: rows_32<QT, 1>(xq, M, rows, row_bytes, bytes, K, t, kRowsN);
+void mm_k(const float* x, int64_t M, const uint8_t* wp, int64_t row_bytes, int64_t bytes, float* op, int64_t N,
+          int64_t K) {
+  const KActivations xa(x, M, K, QT != Q6_K, QT == Q6_K ? 16 : 32);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++) {
+      const uint8_t* row = wp + n * row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        float* o = op + m0 * N + n;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+          case 4: row_k<QT, 4>(xa, m0, row, bytes, o, N); break;
+          case 3: row_k<QT, 3>(xa, m0, row, bytes, o, N); break;
+          case 2: row_k<QT, 2>(xa, m0, row, bytes, o, N); break;
+          default: row_k<QT, 1>(xa, m0, row, bytes, o, N);
         }
       }
-      for (int64_t m = 0; m < M; m++)
-        for (int r = 0; r < R; r++) op[m * N + n0 + r] = t[m * kRowsN + r];
+    }
+  });
+}
+
+// -------------------------------------------------------------------------------------------- blocks of 32 values
+// Activations for the blocks of 32, per row of x: int8 codes (one scale per 32 values) in the order the weights'
+// codes come out of two blocks' bytes (Q4_0, Q4_1, Q5_0: each 64 values as [0-15, 32-47, 16-31, 48-63], a nibble
+// block's low nibbles then its high ones; Q8_0: natural order), and per 64 values three vectors of 16 lanes, a lane
+// per 4 codes: the code sums times the zero point (8, 16, 128; Q4_1 none), each lane's scale dx, and (Q4_1) the code
+// sums times dx (what the weights' mins multiply)
+struct Activations32 {
+  int64_t K;
+  std::vector<int8_t> q;
+  std::vector<__m512i> zero_point;
+  std::vector<__m512> dx, sum_dx;
+
+  Activations32(const float* x, int64_t M, int64_t K_, int64_t qtype)
+      : K(K_), q(M * K_), zero_point(M * (K_ / 64)), dx(M * (K_ / 64)), sum_dx(qtype == Q4_1 ? M * (K_ / 64) : 0) {
+    const bool nibbles = qtype != Q8_0;
+    const int shift = qtype == Q4_0 ? 3 : qtype == Q5_0 ? 4 : 7;
+    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i nibble_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+    const __m512i natural_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    std::vector<int8_t> natural(K);
+    for (int64_t m = 0; m < M; m++) {
+      std::vector<float> d(K / 32);
+      for (int64_t g = 0; g < K / 32; g++) d[g] = quantize_group(x + m * K + 32 * g, 32, natural.data() + 32 * g);
+      int8_t* out = q.data() + m * K;
+      for (int64_t c = 0; c < K / 64; c++) {
+        for (int piece = 0; piece < 4; piece++) {
+          static const int from[4] = {0, 32, 16, 48};
+          std::memcpy(out + 64 * c + 16 * piece, natural.data() + 64 * c + (nibbles ? from[piece] : 16 * piece), 16);
+        }
+        const int64_t i = m * (K / 64) + c;
+        const __m512i lanes = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(out + 64 * c));
+        zero_point[i] = _mm512_slli_epi32(lanes, shift);
+        const __m512 pair = _mm512_castps128_ps512(_mm_setr_ps(d[2 * c], d[2 * c + 1], 0.0f, 0.0f));
+        dx[i] = _mm512_permutexvar_ps(nibbles ? nibble_lanes : natural_lanes, pair);
+        if (qtype == Q4_1) sum_dx[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(lanes), dx[i]);
+      }
+    }
+  }
+};
+
+// One weight row of a 32-value type times MB rows of x (from m0). Per two blocks (64 values): the row's codes as
+// one vector in the activations' order and its two scales (and mins) per lane, once; then per row of x one vpdpbusd,
+// the zero point off the integer sums, and fp32 multiply-adds by dw * dx (and the mins by the code sums). A row of
+// x goes through the same operations whatever MB is.
+template <int64_t QT, int MB>
+void row_32(const Activations32& xa, int64_t m0, const uint8_t* row, int64_t bytes, float* out, int64_t ldo) {
+  const int64_t K = xa.K, chunks = K / 64;
+  const __m512i nibble_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  const __m512i natural_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; c++) {
+    const uint8_t* a = row + 2 * c * bytes;
+    const uint8_t* b = a + bytes;
+    for (int64_t o = 0; o < 2 * bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(a) + kAhead + o, _MM_HINT_T0);
+    __m512i codes;
+    if (QT == Q8_0) {  // int8 + 128
+      codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), 1);
+      codes = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      const int64_t at = QT == Q4_0 ? 2 : QT == Q4_1 ? 4 : 6;
+      const __m256i both = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b + at),
+                                               reinterpret_cast<const __m128i*>(a + at));
+      codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(both, low4)),
+                                 _mm256_and_si256(_mm256_srli_epi16(both, 4), low4), 1);
+      if (QT == Q5_0) {  // the fifth bits: 32 per block, bit i for value i
+        uint32_t ha, hb;
+        std::memcpy(&ha, a + 2, 4);
+        std::memcpy(&hb, b + 2, 4);
+        const uint64_t bits = static_cast<uint64_t>(ha & 0xFFFF) | static_cast<uint64_t>(hb & 0xFFFF) << 16 |
+                              static_cast<uint64_t>(ha >> 16) << 32 | static_cast<uint64_t>(hb >> 16) << 48;
+        codes = _mm512_mask_add_epi8(codes, static_cast<__mmask64>(bits), codes, _mm512_set1_epi8(0x10));
+      }
+    }
+    uint16_t h[4];
+    std::memcpy(&h[0], a, 2);
+    std::memcpy(&h[1], b, 2);
+    if (QT == Q4_1) {
+      std::memcpy(&h[2], a + 2, 2);
+      std::memcpy(&h[3], b + 2, 2);
+    } else {
+      h[2] = h[3] = 0;
+    }
+    uint64_t packed;
+    std::memcpy(&packed, h, 8);
+    const __m512 scales = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(packed))));
+    const __m512 dw = _mm512_permutexvar_ps(QT == Q8_0 ? natural_lanes : nibble_lanes, scales);
+    const __m512 mw = QT == Q4_1 ? _mm512_permutexvar_ps(_mm512_add_epi32(nibble_lanes, _mm512_set1_epi32(2)), scales)
+                                 : _mm512_setzero_ps();
+    for (int m = 0; m < MB; m++) {
+      const int64_t i = (m0 + m) * chunks + c;
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(xa.q.data() + 64 * i));
+      if (QT != Q4_1) dot = _mm512_sub_epi32(dot, xa.zero_point[i]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xa.dx[i]), acc[m]);
+      if (QT == Q4_1) acc[m] = _mm512_fmadd_ps(mw, xa.sum_dx[i], acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; m++) out[m * ldo] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <int64_t QT>
+void mm_32(const float* x, int64_t M, const uint8_t* wp, int64_t row_bytes, int64_t bytes, float* op, int64_t N,
+           int64_t K) {
+  const Activations32 xa(x, M, K, QT);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++) {
+      const uint8_t* row = wp + n * row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        float* o = op + m0 * N + n;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+          case 4: row_32<QT, 4>(xa, m0, row, bytes, o, N); break;
+          case 3: row_32<QT, 3>(xa, m0, row, bytes, o, N); break;
+          case 2: row_32<QT, 2>(xa, m0, row, bytes, o, N); break;
+          default: row_32<QT, 1>(xa, m0, row, bytes, o, N);
+        }
+      }
     }
   });
 }
@@ -325,18 +383,18 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, i
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, at::kFloat);
   if (M == 0) return out.view(shape);
-  const QuantizedRows xq(x.data_ptr<float>(), M, K, k_quant(qtype) ? 256 : 32);
+  const float* xp = x.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = blocks.size(1);
   switch (qtype) {
-    case Q4_0: mm_rows<Q4_0>(xq, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q4_1: mm_rows<Q4_1>(xq, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q5_0: mm_rows<Q5_0>(xq, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q8_0: mm_rows<Q8_0>(xq, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q4_K: mm_rows<Q4_K>(xq, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q5_K: mm_rows<Q5_K>(xq, M, wp, row_bytes, bytes, op, N, K); break;
-    default: mm_rows<Q6_K>(xq, M, wp, row_bytes, bytes, op, N, K);
+    case Q4_0: mm_32<Q4_0>(xp, M, wp, row_bytes, bytes, op, N, K); break;
+    case Q4_1: mm_32<Q4_1>(xp, M, wp, row_bytes, bytes, op, N, K); break;
+    case Q5_0: mm_32<Q5_0>(xp, M, wp, row_bytes, bytes, op, N, K); break;
+    case Q8_0: mm_32<Q8_0>(xp, M, wp, row_bytes, bytes, op, N, K); break;
+    case Q4_K: mm_k<Q4_K>(xp, M, wp, row_bytes, bytes, op, N, K); break;
+    case Q5_K: mm_k<Q5_K>(xp, M, wp, row_bytes, bytes, op, N, K); break;
+    default: mm_k<Q6_K>(xp, M, wp, row_bytes, bytes, op, N, K);
   }
   return out.view(shape);
 }
