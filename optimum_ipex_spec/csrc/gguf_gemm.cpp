@@ -10,7 +10,9 @@
 //       multiply-adds whatever M is: 16 lanes over k in steps of 16 from zero, then one fixed reduction of the 16
 //       lanes. So a row gets the same bits alone (a decode step) as among others (a verification of draft tokens,
 //       a prefill): speculative decoding over a quantized target returns the target's own greedy tokens.
-//       Each weight row is dequantized once per call, for all the rows of x.
+//       Each weight row is dequantized once per call, for all the rows of x: for up to 4 rows (a decode step, a
+//       verification) 16 values at a time in registers, multiplied as they are made; for more (a prefill) whole rows
+//       into a buffer first. Weight rows are split between torch's threads, each computed by one thread.
 //
 // Block layouts (ggml's, llama.cpp ggml/src/ggml-common.h; values in gguf-py's order):
 //   Q4_0 32 values, 18 bytes: fp16 d, 16 bytes of nibbles         w = d * (q - 8)
@@ -222,7 +224,7 @@ inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t step, int
 
 // rows of x that share one pass over the dequantized weights
 constexpr int kRowsM = 4;
-// values of k a pass dequantizes at once while every row of x fits one pass (a decode step, a verification)
+// values of k per software prefetch share while every row of x fits one pass (a decode step, a verification)
 constexpr int64_t kChunkK = 256;
 
 // acc[m][r] += x[m, k0:k1] * w[r, k0:k1], 16 lanes over k in steps of 16; x rows ldx apart, w rows ldw apart
@@ -250,21 +252,125 @@ inline void zero(__m512 (&acc)[kRowsM][kRowsN]) {
     for (int r = 0; r < kRowsN; r++) acc[m][r] = _mm512_setzero_ps();
 }
 
-// all M (<= kRowsM) rows of x against R weight rows, dequantizing kChunkK values of each at a time (L1-resident)
+// 16-bit shift counts: a for the low 256 bits of a vector, b for the high
+inline __m512i shifts(int a, int b) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
+}
+
+// 128-bit lane `i` (0..3) of v
+inline __m128i quarter(__m512i v, int i) {
+  switch (i) {
+    case 0: return _mm512_castsi512_si128(v);
+    case 1: return _mm512_extracti32x4_epi32(v, 1);
+    case 2: return _mm512_extracti32x4_epi32(v, 2);
+    default: return _mm512_extracti32x4_epi32(v, 3);
+  }
+}
+
+// acc[m][r] += x[m, 0:16] * w[r] (x rows ldx apart): one step of fma_chain with the 16 weight values in registers
+template <int M, int R>
+__attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx, const __m512 (&w)[R],
+                                                    __m512 (&acc)[kRowsM][kRowsN]) {
+  for (int m = 0; m < M; m++) {
+    const __m512 xv = _mm512_loadu_ps(x + m * ldx);
+    for (int r = 0; r < R; r++) acc[m][r] = _mm512_fmadd_ps(xv, w[r], acc[m][r]);
+  }
+}
+
+// all M (<= kRowsM) rows of x against R weight rows, the weights' values made 16 at a time in registers and
+// multiplied as they are made (a decode step, a verification): each value dequantize_block's (the K types' made here
+// the same way, in the same fp32 operations), each output one chain of fused multiply-adds over k in steps of 16
 template <int64_t QT, int M, int R>
-void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_bytes, const Format& f,
-              int64_t K, float* buf, float* out, int64_t ldo) {
+void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_bytes, const Format& f, int64_t K,
+                    float* out, int64_t ldo) {
   __m512 acc[kRowsM][kRowsN];
   zero(acc);
   const int64_t chunk = f.values > kChunkK ? f.values : kChunkK;
   const int64_t steps = (K + chunk - 1) / chunk;
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-    const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
     prefetch_share(rows + R * row_bytes, kRowsN * row_bytes, k0 / chunk, steps);
-    for (int r = 0; r < R; r++)
-      for (int64_t b = k0 / f.values; b < k1 / f.values; b++)
-        dequantize_block<QT>(rows + r * row_bytes + b * f.bytes, buf + r * chunk + (b * f.values - k0));
-    fma_chain<M, R>(x, ldx, buf, chunk, k0, k1, acc);
+    const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
+    if (QT == F32 || QT == F16) {  // 16 values read (F16: converted, exactly) at a time
+      for (int64_t k = k0; k < k1; k += 16) {
+        __m512 w[R];
+        for (int r = 0; r < R; r++) {
+          const uint8_t* p = rows + r * row_bytes + k * f.bytes;
+          w[r] = QT == F32 ? _mm512_loadu_ps(reinterpret_cast<const float*>(p))
+                           : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        }
+        fma_step<M, R>(x + k, ldx, w, acc);
+      }
+      continue;
+    }
+    for (int64_t blk = k0 / f.values; blk < k1 / f.values; blk++) {
+      const float* xb = x + blk * f.values;
+      const uint8_t* b[R];
+      for (int r = 0; r < R; r++) b[r] = rows + r * row_bytes + blk * f.bytes;
+      if (QT == Q6_K) {  // (d * sc) * (q - 32) per 16 values, as dequantize_block makes them
+        // q - 32 as int8 for the super-block's 256 values, 64 to a vector (values 64c..64c+63): low nibbles from
+        // ql (bytes 0-31 | 32-63 of a half: values 0-31 | 32-63 low, 64-95 | 96-127 high), 2 high bits from qh
+        __m512i codes[R][4];
+        for (int r = 0; r < R; r++)
+          for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512(b[r] + 64 * h);
+            const __m512i qh =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[r] + 128 + 32 * h)));
+            const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(32);
+            const __m512i up = _mm512_and_si512(_mm512_sllv_epi16(qh, shifts(4, 2)), top);
+            const __m512i down = _mm512_and_si512(_mm512_srlv_epi16(qh, shifts(0, 2)), top);
+            codes[r][2 * h] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(ql, nib), up), bias);
+            codes[r][2 * h + 1] =
+                _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib), down), bias);
+          }
+        for (int i = 0; i < 16; i++) {
+          __m512 w[R];
+          for (int r = 0; r < R; r++) {
+            const __m512i q = _mm512_cvtepi8_epi32(quarter(codes[r][i / 4], i % 4));
+            const int8_t sc = static_cast<int8_t>(b[r][192 + i]);
+            w[r] = _mm512_mul_ps(_mm512_set1_ps(half(b[r] + 208) * static_cast<float>(sc)), _mm512_cvtepi32_ps(q));
+          }
+          fma_step<M, R>(xb + 16 * i, ldx, w, acc);
+        }
+      } else if (QT == Q4_K || QT == Q5_K) {  // (d * sc) * q - dmin * mn per sub-block of 32
+        for (int g = 0; g < 8; g++) {
+          __m512 lo[R], hi[R];
+          for (int r = 0; r < R; r++) {
+            int sc, mn;
+            scale_min_k4(b[r] + 4, g, &sc, &mn);
+            const float d1 = half(b[r]) * static_cast<float>(sc), m1 = half(b[r] + 2) * static_cast<float>(mn);
+            lo[r] = _mm512_sub_ps(nibble_table(d1, 0), _mm512_set1_ps(m1));
+            hi[r] = QT == Q5_K ? _mm512_sub_ps(nibble_table(d1, 16), _mm512_set1_ps(m1)) : lo[r];
+          }
+          for (int part = 0; part < 2; part++) {
+            __m512 w[R];
+            for (int r = 0; r < R; r++) {
+              const uint8_t* qs = b[r] + (QT == Q5_K ? 48 : 16) + 32 * (g / 2) + 16 * part;
+              __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+              if (g % 2) idx = _mm512_srli_epi32(idx, 4);
+              if (QT == Q4_K) {
+                w[r] = _mm512_permutexvar_ps(idx, lo[r]);  // the permute reads each index's low 4 bits
+              } else {
+                const __m512i h = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[r] + 16 + 16 * part)));
+                idx = _mm512_or_si512(_mm512_and_si512(idx, low4), _mm512_slli_epi32(
+                    _mm512_and_si512(_mm512_srli_epi32(h, g), _mm512_set1_epi32(1)), 4));
+                w[r] = _mm512_permutex2var_ps(lo[r], idx, hi[r]);  // index bit 4 picks the table
+              }
+            }
+            fma_step<M, R>(xb + 32 * g + 16 * part, ldx, w, acc);
+          }
+        }
+      } else {  // a 32-value type: dequantize_block's two halves of 16
+        alignas(64) float y[R][32];
+        for (int r = 0; r < R; r++) dequantize_block<QT>(b[r], y[r]);
+        for (int part = 0; part < 2; part++) {
+          __m512 w[R];
+          for (int r = 0; r < R; r++) w[r] = _mm512_load_ps(y[r] + 16 * part);
+          fma_step<M, R>(xb + 16 * part, ldx, w, acc);
+        }
+      }
+    }
   }
   store<M, R>(acc, out, ldo);
 }
@@ -296,10 +402,10 @@ template <int64_t QT, int R>
 void row_group(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int64_t row_bytes,
                const Format& f, int64_t K, float* buf, float* out, int64_t ldo) {
   switch (M) {
-    case 1: few_rows<QT, 1, R>(x, ldx, rows, row_bytes, f, K, buf, out, ldo); return;
-    case 2: few_rows<QT, 2, R>(x, ldx, rows, row_bytes, f, K, buf, out, ldo); return;
-    case 3: few_rows<QT, 3, R>(x, ldx, rows, row_bytes, f, K, buf, out, ldo); return;
-    case 4: few_rows<QT, 4, R>(x, ldx, rows, row_bytes, f, K, buf, out, ldo); return;
+    case 1: few_rows<QT, 1, R>(x, ldx, rows, row_bytes, f, K, out, ldo); return;
+    case 2: few_rows<QT, 2, R>(x, ldx, rows, row_bytes, f, K, out, ldo); return;
+    case 3: few_rows<QT, 3, R>(x, ldx, rows, row_bytes, f, K, out, ldo); return;
+    case 4: few_rows<QT, 4, R>(x, ldx, rows, row_bytes, f, K, out, ldo); return;
     default: many_rows<QT, R>(x, M, ldx, rows, row_bytes, f, K, buf, out, ldo);
   }
 }
@@ -327,8 +433,7 @@ template <int64_t QT>
 void mm_rows(const float* xp, int64_t M, const uint8_t* wp, int64_t row_bytes, const Format& f, float* op, int64_t N,
              int64_t K) {
   const int64_t groups = (N + kRowsN - 1) / kRowsN;
-  const int64_t chunk = f.values > kChunkK ? f.values : kChunkK;
-  const int64_t buf_values = kRowsN * (M <= kRowsM ? chunk : K);
+  const int64_t buf_values = M <= kRowsM ? 0 : kRowsN * K;  // many_rows' dequantized rows
   at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
     // 64-byte aligned: the block values are stored and read again as whole cache lines
     std::vector<__m512> storage((buf_values + 15) / 16);
