@@ -10,10 +10,11 @@
 //   - blocks of 32 values (Q4_0, Q4_1, Q5_0, Q8_0): d = max|x| / 127, q = round(x / d), one d per block
 //   - K-quants (Q4_K, Q5_K, Q6_K): one d per 256 values, and the sums of q per 32 (the weights' mins) or 16 (Q6_K)
 // stored in the order the weights' codes come out of their bytes, so a code vector meets its activations without a
-// shuffle. Weights are read as unsigned codes (0..15, 0..31, 0..63, or int8 + 128), one weight row at a time for up
-// to 4 rows of x (a decode step, a verification; more rows go 4 at a time): each super-block's (or pair of blocks')
-// codes and scales are decoded once, then multiplied by each row of x with integer dot products (vpmaddubsw and
-// vpmaddwd/vpdpwssd by the scales for the K types, vpdpbusd for the others); zero points apply to the integer sums,
+// shuffle. Weights are read as unsigned codes (0..15, 0..31, 0..63, or int8 + 128), one weight row at a time for all
+// the rows of x (up to 4, a decode step or a verification, accumulate in registers; more, a prefill, in memory): each
+// super-block's (or pair of blocks') codes and scales are decoded once, then multiplied by each row of x with integer
+// dot products (vpmaddubsw and vpmaddwd/vpdpwssd by the scales for the K types, vpdpbusd for the others); zero
+// points apply to the integer sums,
 // mins to the activation sums, and one fp32 multiply-add per super-block (pair of blocks) scales the result. Each
 // output is the same sequence of operations whatever M is, so a row gets the same bits alone as among others:
 // speculative decoding over a target in this mode returns that target's own greedy tokens. Weight rows are split
@@ -117,16 +118,21 @@ const int kPickQ6[4][4] = {{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 
 // step waiting on memory); a prefetch never faults, so the addresses past a tensor's end are harmless
 constexpr int64_t kAhead = 4096;
 
-// One weight row of a K type times MB rows of x (from m0). Per super-block: the row's 256 codes as 4 vectors in the
-// activations' order and its scales as int16 words, once; then per row of x 4 vpmaddubsw (int16 words of 2
-// products), 4 vpmaddwd/vpdpwssd by the scales into 16 int32 lanes, one fp32 multiply-add by d * dx; the mins (Q4_K, Q5_K) or the zero point 32 (Q6_K) apply to the code sums. A row of x goes through the same
-// operations whatever MB is.
+// One weight row of a K type times every row of x: MB of them (1-4, accumulators in registers), or `count` (MB = 0,
+// accumulators in memory). Per super-block: the row's 256 codes as 4 vectors in the activations' order and its
+// scales as int16 words, once; then per row of x 4 vpmaddubsw (int16 words of 2 products), 4 vpmaddwd/vpdpwssd by
+// the scales into 16 int32 lanes, one fp32 multiply-add by d * dx; the mins (Q4_K, Q5_K) or the zero point 32 (Q6_K)
+// apply to the code sums. A row of x goes through the same operations whatever the number of rows.
 template <int64_t QT, int MB>
-void row_k(const KActivations& xa, int64_t m0, const uint8_t* row, int64_t bytes, float* out, int64_t ldo) {
+void row_k(const KActivations& xa, int64_t count, const uint8_t* row, int64_t bytes, float* out,
+           int64_t ldo, __m512* acc_memory, __m128* min_memory) {
   const int64_t K = xa.K, supers = K / 256;
-  __m512 acc[MB];
-  __m128 minsum[MB];
-  for (int m = 0; m < MB; m++) {
+  const int64_t rows_x = MB > 0 ? MB : count;
+  __m512 acc_registers[MB > 0 ? MB : 1];
+  __m128 min_registers[MB > 0 ? MB : 1];
+  __m512* acc = MB > 0 ? acc_registers : acc_memory;
+  __m128* minsum = MB > 0 ? min_registers : min_memory;
+  for (int64_t m = 0; m < rows_x; m++) {
     acc[m] = _mm512_setzero_ps();
     minsum[m] = _mm_setzero_ps();
   }
@@ -149,7 +155,8 @@ void row_k(const KActivations& xa, int64_t m0, const uint8_t* row, int64_t bytes
       const __m512i top2 = _mm512_set1_epi8(0x30);
       for (int h = 0; h < 2; h++) {
         const __m512i ql = _mm512_loadu_si512(b + 64 * h);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+        const __m512i qh =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
         codes[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
                                        _mm512_and_si512(_mm512_sllv_epi16(qh, counts(4, 2)), top2));
         codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
@@ -189,8 +196,8 @@ void row_k(const KActivations& xa, int64_t m0, const uint8_t* row, int64_t bytes
         codes[3] = _mm512_or_si512(codes[3], _mm512_and_si512(_mm512_srlv_epi16(qh, counts(1, 3)), bit4));
       }
     }
-    for (int m = 0; m < MB; m++) {
-      const int64_t xm = m0 + m;
+    for (int64_t m = 0; m < rows_x; m++) {
+      const int64_t xm = m;
       const int8_t* x = xa.q.data() + xm * K + 256 * s;
       // a word per 2 products (|word| <= 2 * 63 * 127: vpmaddubsw never saturates here), times its scale
       __m512i total = _mm512_madd_epi16(_mm512_maddubs_epi16(codes[0], _mm512_loadu_si512(x)), scale[0]);
@@ -198,7 +205,8 @@ void row_k(const KActivations& xa, int64_t m0, const uint8_t* row, int64_t bytes
         total = _mm512_dpwssd_epi32(total, _mm512_maddubs_epi16(codes[c], _mm512_loadu_si512(x + 64 * c)), scale[c]);
       const float dx = xa.d[xm * supers + s];
       if (QT == Q6_K) {  // codes are q + 32: subtract 32 * sum over 16-value groups of scale * code sum
-        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.sums.data() + xm * (K / 16) + 16 * s));
+        const int16_t* sum16 = xa.sums.data() + xm * (K / 16) + 16 * s;
+        const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sum16));
         const __m256i zero_point = _mm256_slli_epi32(_mm256_madd_epi16(sc16, sums), 5);
         total = _mm512_sub_epi32(total, _mm512_zextsi256_si512(zero_point));
       } else {
@@ -208,7 +216,7 @@ void row_k(const KActivations& xa, int64_t m0, const uint8_t* row, int64_t bytes
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d * dx), acc[m]);
     }
   }
-  for (int m = 0; m < MB; m++) {
+  for (int64_t m = 0; m < rows_x; m++) {
     const __m128 pair = _mm_add_ps(minsum[m], _mm_movehl_ps(minsum[m], minsum[m]));
     const float mins = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
     out[m * ldo] = _mm512_reduce_add_ps(acc[m]) - mins;
@@ -220,16 +228,17 @@ void mm_k(const float* x, int64_t M, const uint8_t* wp, int64_t row_bytes, int64
           int64_t K) {
   const KActivations xa(x, M, K, QT != Q6_K, QT == Q6_K ? 16 : 32);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> acc(M > 4 ? M : 0);  // more than 4 rows of x (a prefill): accumulators in memory
+    std::vector<__m128> mins(M > 4 ? M : 0);
     for (int64_t n = begin; n < end; n++) {
       const uint8_t* row = wp + n * row_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        float* o = op + m0 * N + n;
-        switch (M - m0 < 4 ? M - m0 : 4) {
-          case 4: row_k<QT, 4>(xa, m0, row, bytes, o, N); break;
-          case 3: row_k<QT, 3>(xa, m0, row, bytes, o, N); break;
-          case 2: row_k<QT, 2>(xa, m0, row, bytes, o, N); break;
-          default: row_k<QT, 1>(xa, m0, row, bytes, o, N);
-        }
+      float* o = op + n;
+      switch (M) {
+        case 1: row_k<QT, 1>(xa, 1, row, bytes, o, N, nullptr, nullptr); break;
+        case 2: row_k<QT, 2>(xa, 2, row, bytes, o, N, nullptr, nullptr); break;
+        case 3: row_k<QT, 3>(xa, 3, row, bytes, o, N, nullptr, nullptr); break;
+        case 4: row_k<QT, 4>(xa, 4, row, bytes, o, N, nullptr, nullptr); break;
+        default: row_k<QT, 0>(xa, M, row, bytes, o, N, acc.data(), mins.data());
       }
     }
   });
@@ -275,22 +284,26 @@ struct Activations32 {
   }
 };
 
-// One weight row of a 32-value type times MB rows of x (from m0). Per two blocks (64 values): the row's codes as
-// one vector in the activations' order and its two scales (and mins) per lane, once; then per row of x one vpdpbusd,
-// the zero point off the integer sums, and fp32 multiply-adds by dw * dx (and the mins by the code sums). A row of
-// x goes through the same operations whatever MB is.
+// One weight row of a 32-value type times every row of x (MB of them in registers, or `count` in memory: as row_k).
+// Per two blocks (64 values): the row's codes as one vector in the activations' order and its two scales (and mins)
+// per lane, once; then per row of x one vpdpbusd, the zero point off the integer sums, and fp32 multiply-adds by
+// dw * dx (and the mins by the code sums). A row of x goes through the same operations whatever the number of rows.
 template <int64_t QT, int MB>
-void row_32(const Activations32& xa, int64_t m0, const uint8_t* row, int64_t bytes, float* out, int64_t ldo) {
+void row_32(const Activations32& xa, int64_t count, const uint8_t* row, int64_t bytes, float* out, int64_t ldo,
+            __m512* acc_memory) {
   const int64_t K = xa.K, chunks = K / 64;
+  const int64_t rows_x = MB > 0 ? MB : count;
   const __m512i nibble_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
   const __m512i natural_lanes = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m512 acc[MB];
-  for (int m = 0; m < MB; m++) acc[m] = _mm512_setzero_ps();
+  __m512 acc_registers[MB > 0 ? MB : 1];
+  __m512* acc = MB > 0 ? acc_registers : acc_memory;
+  for (int64_t m = 0; m < rows_x; m++) acc[m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; c++) {
     const uint8_t* a = row + 2 * c * bytes;
     const uint8_t* b = a + bytes;
-    for (int64_t o = 0; o < 2 * bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(a) + kAhead + o, _MM_HINT_T0);
+    for (int64_t o = 0; o < 2 * bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(a) + kAhead + o, _MM_HINT_T0);
     __m512i codes;
     if (QT == Q8_0) {  // int8 + 128
       codes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
@@ -326,15 +339,15 @@ void row_32(const Activations32& xa, int64_t m0, const uint8_t* row, int64_t byt
     const __m512 dw = _mm512_permutexvar_ps(QT == Q8_0 ? natural_lanes : nibble_lanes, scales);
     const __m512 mw = QT == Q4_1 ? _mm512_permutexvar_ps(_mm512_add_epi32(nibble_lanes, _mm512_set1_epi32(2)), scales)
                                  : _mm512_setzero_ps();
-    for (int m = 0; m < MB; m++) {
-      const int64_t i = (m0 + m) * chunks + c;
+    for (int64_t m = 0; m < rows_x; m++) {
+      const int64_t i = m * chunks + c;
       __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(xa.q.data() + 64 * i));
       if (QT != Q4_1) dot = _mm512_sub_epi32(dot, xa.zero_point[i]);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xa.dx[i]), acc[m]);
       if (QT == Q4_1) acc[m] = _mm512_fmadd_ps(mw, xa.sum_dx[i], acc[m]);
     }
   }
-  for (int m = 0; m < MB; m++) out[m * ldo] = _mm512_reduce_add_ps(acc[m]);
+  for (int64_t m = 0; m < rows_x; m++) out[m * ldo] = _mm512_reduce_add_ps(acc[m]);
 }
 
 template <int64_t QT>
@@ -342,16 +355,16 @@ void mm_32(const float* x, int64_t M, const uint8_t* wp, int64_t row_bytes, int6
            int64_t K) {
   const Activations32 xa(x, M, K, QT);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> acc(M > 4 ? M : 0);  // more than 4 rows of x (a prefill): accumulators in memory
     for (int64_t n = begin; n < end; n++) {
       const uint8_t* row = wp + n * row_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        float* o = op + m0 * N + n;
-        switch (M - m0 < 4 ? M - m0 : 4) {
-          case 4: row_32<QT, 4>(xa, m0, row, bytes, o, N); break;
-          case 3: row_32<QT, 3>(xa, m0, row, bytes, o, N); break;
-          case 2: row_32<QT, 2>(xa, m0, row, bytes, o, N); break;
-          default: row_32<QT, 1>(xa, m0, row, bytes, o, N);
-        }
+      float* o = op + n;
+      switch (M) {
+        case 1: row_32<QT, 1>(xa, 1, row, bytes, o, N, nullptr); break;
+        case 2: row_32<QT, 2>(xa, 2, row, bytes, o, N, nullptr); break;
+        case 3: row_32<QT, 3>(xa, 3, row, bytes, o, N, nullptr); break;
+        case 4: row_32<QT, 4>(xa, 4, row, bytes, o, N, nullptr); break;
+        default: row_32<QT, 0>(xa, M, row, bytes, o, N, acc.data());
       }
     }
   });
