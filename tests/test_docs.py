@@ -54,6 +54,7 @@ NOT_RUN_BASH = {
     "make bench-load": "measures load times for minutes in fresh processes; its figures are in docs/benchmarks-load.md",
     "make bench-llamacpp": "builds llama.cpp (about 20 minutes) and measures for minutes; figures in docs/gguf.md",
     "scripts/build-llamacpp.sh": "builds llama.cpp (about 20 minutes on 2 cores); make bench-llamacpp runs it",
+    "python benchmarks/gguf_kernels.py": "streams a 1 GB file through both kernels for minutes; figures in docs/gguf.md",
 }
 
 RUNNER = r"""
