@@ -1,7 +1,7 @@
 // GGUF block-quantized weights times activations quantized to int8, with AVX512-VNNI integer dot products: the
 // "fast" mode of optimum_ipex_spec.gguf_weights (its outputs are its own, as llama.cpp's are: the activations are
-// rounded to 8 bits). Built only where the CPU has AVX512-VNNI (its own extension: the exact kernel never runs an
-// instruction this file's flags allow).
+// rounded to 8 bits). Built only where the CPU has AVX512-VNNI (its own extension: the exact kernel never runs a
+// VNNI instruction).
 //
 // Operator (namespace optimum_ipex_spec_gguf_vnni):
 //   mm(x fp32 [M, K], blocks uint8 [N, row_bytes], qtype, K) -> fp32 [M, N]
@@ -52,7 +52,9 @@ inline float quantize_group(const float* x, int64_t n, int8_t* q) {
     amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
   }
   const float top = nan ? NAN : _mm512_reduce_max_ps(amax);
-  const __m512 inv = _mm512_set1_ps(top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f);
+  // a largest |x| below about 4e-37 makes 127 / top infinite: those codes stay 0 (their products are below 1e-36)
+  const float ratio = top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f;
+  const __m512 inv = _mm512_set1_ps(std::isfinite(ratio) ? ratio : 0.0f);
   for (int64_t k = 0; k < n; k += 16) {
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(v));
