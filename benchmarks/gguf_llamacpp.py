@@ -5,7 +5,9 @@ Each round, every prompt runs through every configuration, interleaved: llama.cp
 with the draft GGUF (``llama-speculative-simple``, ``--spec-draft-n-max K``); ours on the same files, each mode alone
 and with the draft GGUF as ``assistant_model`` (greedy, a constant ``K`` draft tokens per round; the fast mode also
 with the draft's default generation config, where the cost model picks each round's length); optionally ours fp32
-(compiled) and stock transformers fp32 on the provisioned folder. Per prompt the median over rounds of decode
+(compiled) and stock transformers fp32 on the provisioned folder (``--with-fp32``), and ours int4 quantized at load
+from the provisioned fp32 folders (``--with-int4``: the target alone in each mode, the 0.5B's int4 copy as a draft of
+the fast GGUF target). Per prompt the median over rounds of decode
 tokens/s and time to first token; then the median over prompts. Beside them: the file's bytes per token (every tensor
 once, the embedding one row) over the read bandwidth measured at the start of each round (the one-token roofline);
 our GGUF layers' time for 4 rows against 1 (a verification's cost on the quantized kernels, in decode steps); RSS
@@ -104,6 +106,14 @@ def verification_cost(model, rows: int = 4, repeats: int = 5) -> float:
     return run(rows) / run(1)
 
 
+def _alone(name: str) -> str:
+    """The row a configuration's output and speed are compared with: its target alone (fp32 and stock: the exact
+    GGUF mode, whose function they compute)."""
+    if name.startswith("ours int4"):
+        return "ours int4 fast alone" if "fast" in name else "ours int4 exact alone"
+    return "ours GGUF fast alone" if "GGUF fast" in name else "ours GGUF exact alone"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llamacpp-bin", required=True, help="folder with llama-completion, llama-speculative-simple")
@@ -115,6 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--with-fp32", action="store_true", help="add ours fp32 compiled and stock fp32 (6 GB each)")
+    parser.add_argument("--with-int4", action="store_true",
+                        help="add ours int4 (Q4_1 quantized at load from the fp32 checkpoints): target alone, exact "
+                             "and fast; the GGUF fast target with the int4 draft")
     parser.add_argument("--tag", default="", help="a word for the table's title (the machine, the load)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", required=True)
@@ -170,6 +183,18 @@ def main(argv=None) -> int:
                ("ours GGUF fast alone", fast, {}),
                (f"ours GGUF fast + fast draft GGUF, k={args.k}", fast, {"assistant_model": fast_draft}),
                ("ours GGUF fast + fast draft GGUF, cost model", fast, {"assistant_model": fast_draft_auto})]
+    if args.with_int4:
+        int4 = {mode: IPEXModelForCausalLM.from_pretrained(folder, export=True, weights="int4", gguf_mode=mode,
+                                                          torch_compile=True) for mode in ("exact", "fast")}
+        int4_draft = IPEXModelForCausalLM.from_pretrained(resolve_model(args.draft), export=True, weights="int4",
+                                                          gguf_mode="fast", torch_compile=True)
+        for model in (*int4.values(), int4_draft):
+            model.compile_chunk_step()
+        int4_draft.generation_config.num_assistant_tokens = args.k
+        int4_draft.generation_config.num_assistant_tokens_schedule = "constant"
+        int4_draft.generation_config.assistant_confidence_threshold = 0.0
+        configs += [("ours int4 exact alone", int4["exact"], {}), ("ours int4 fast alone", int4["fast"], {}),
+                    (f"ours GGUF fast + int4 fast draft, k={args.k}", fast, {"assistant_model": int4_draft})]
     if args.with_fp32:
         fp32 = IPEXModelForCausalLM.from_pretrained(folder, export=True, backend="torch", torch_compile=True)
         fp32.compile_chunk_step()
@@ -202,9 +227,8 @@ def main(argv=None) -> int:
                         accepted, proposed = accepted + stats.accepted, proposed + stats.proposed
                 samples[name][i].append(sample)
                 print(f"  prompt {i} {name}: {sample['decode']:.2f} tok/s", file=sys.stderr, flush=True)
-            for name in outputs:  # each mode against itself alone; fp32 and stock against the exact mode
-                alone = "ours GGUF fast alone" if "fast" in name else "ours GGUF exact alone"
-                identical[name] &= torch.equal(outputs[name], outputs[alone])
+            for name in outputs:  # each target against itself alone; fp32 and stock against the exact mode
+                identical[name] &= torch.equal(outputs[name], outputs[_alone(name)])
     per_prompt = {name: [statistics.median(s["decode"] for s in rounds) for rounds in by.values()]
                   for name, by in samples.items()}
     base = per_prompt["llama.cpp alone"]
@@ -214,8 +238,7 @@ def main(argv=None) -> int:
         ttfts = [s["ttft"] for by in samples[name].values() for s in by if s["ttft"] is not None]
         rows.append({"config": name, "median_decode_tok_s": statistics.median(rates),
                      "ratio_vs_llamacpp_alone": statistics.median(r / b for r, b in zip(rates, base)),
-                     "worst_ratio_vs_ours_alone": min(r / b for r, b in zip(rates, per_prompt[
-                         "ours GGUF fast alone" if "fast" in name else "ours GGUF exact alone"])),
+                     "worst_ratio_vs_ours_alone": min(r / b for r, b in zip(rates, per_prompt[_alone(name)])),
                      "median_ttft_s": statistics.median(ttfts) if ttfts else None,
                      "identical_to_ours_alone": identical.get(name)})
     file_bytes = bytes_per_token(target_gguf)

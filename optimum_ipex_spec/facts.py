@@ -23,10 +23,14 @@ EXPORT_DTYPES = ("float32", "bfloat16")
 #: ``backend=`` values: "auto" (IPEX when usable, else the pure-PyTorch path), "ipex", "torch"
 BACKENDS = ("auto", "ipex", "torch")
 
-#: how the pure-PyTorch decoder holds its weights: "dense" (the model's dtype), "int8" (weight-only, bf16
-#: activations; a cheap draft, ``self_draft(weights="int8")``) or "gguf" (a GGUF file's blocks as shipped, fp32
-#: activations: ``from_pretrained(..., weights="gguf")``, :mod:`~optimum_ipex_spec.gguf_weights`)
-WEIGHT_FORMATS = ("dense", "int8", "gguf")
+#: how the pure-PyTorch decoder holds its weights: "dense" (the model's dtype), "int8" (weight-only, per-channel
+#: scales, bf16 activations: ``from_pretrained(..., weights="int8")``, ``self_draft(weights="int8")``), "int4"
+#: (quantized at load into ggml Q4_1 blocks, fp32 activations, :mod:`~optimum_ipex_spec.int4_weights`) or "gguf" (a
+#: GGUF file's blocks as shipped, fp32 activations: ``from_pretrained(..., weights="gguf")``,
+#: :mod:`~optimum_ipex_spec.gguf_weights`)
+WEIGHT_FORMATS = ("dense", "int8", "int4", "gguf")
+#: the formats whose projections are :class:`~optimum_ipex_spec.gguf_weights.GGUFLinear` blocks
+BLOCK_WEIGHT_FORMATS = ("int4", "gguf")
 
 #: files of an export folder (besides transformers' config.json / generation_config.json)
 EXPORT_CONFIG_NAME = "ipex_export.json"

@@ -37,10 +37,10 @@ class GGUFSource:
 
 
 def wants_gguf(model_id: str, kwargs: dict) -> bool:
-    """True when a ``from_pretrained`` call asks for GGUF weights: ``weights="gguf"``, ``gguf_file=``, ``gguf_mode=``,
-    or a path to a ``.gguf`` file."""
+    """True when a ``from_pretrained`` call asks for GGUF weights: ``weights="gguf"``, ``gguf_file=``, ``gguf_mode=``
+    without another ``weights`` (``weights="int4"`` runs on the same kernels), or a path to a ``.gguf`` file."""
     return (kwargs.get("weights") == "gguf" or kwargs.get("gguf_file") is not None
-            or kwargs.get("gguf_mode") is not None
+            or (kwargs.get("gguf_mode") is not None and kwargs.get("weights", "gguf") == "gguf")
             or (str(model_id).endswith(".gguf") and os.path.isfile(str(model_id))))
 
 

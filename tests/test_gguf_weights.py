@@ -375,7 +375,7 @@ def test_bad_files_and_options_are_refused_early(kernel, tiny_gguf, tmp_path):
     with pytest.raises(ValueError, match="do not apply"):
         IPEXModelForCausalLM.from_pretrained(path, revision="main")
     with pytest.raises(ValueError, match="weights='dense'"):
-        IPEXModelForCausalLM.from_pretrained(folder, weights="int4")
+        IPEXModelForCausalLM.from_pretrained(folder, weights="int3")
     model = IPEXModelForCausalLM.from_pretrained(path)
     with pytest.raises(ValueError, match="not saved again"):
         model.save_pretrained(str(tmp_path / "saved"))

@@ -84,7 +84,7 @@ def test_int8_refusals_are_clear(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="backend='auto' or 'torch'"):
         target.self_draft(weights="int8", backend="ipex")
     with pytest.raises(ValueError, match="weights must be one of"):
-        target.self_draft(weights="int4")
+        target.self_draft(weights="int3")
     draft = target.self_draft(weights="int8")
     with pytest.raises(ValueError, match="not saved"):
         draft.save_pretrained(tmp_path / "int8")
