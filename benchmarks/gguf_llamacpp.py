@@ -7,7 +7,7 @@ and with the draft GGUF as ``assistant_model`` (greedy, a constant ``K`` draft t
 with the draft's default generation config, where the cost model picks each round's length); optionally ours fp32
 (compiled) and stock transformers fp32 on the provisioned folder (``--with-fp32``), and ours int4 quantized at load
 from the provisioned fp32 folders (``--with-int4``: the target alone in each mode, the 0.5B's int4 copy as a draft of
-the fast GGUF target). Per prompt the median over rounds of decode
+the fast int4 target and of the fast GGUF target). Per prompt the median over rounds of decode
 tokens/s and time to first token; then the median over prompts. Beside them: the file's bytes per token (every tensor
 once, the embedding one row) over the read bandwidth measured at the start of each round (the one-token roofline);
 our GGUF layers' time for 4 rows against 1 (a verification's cost on the quantized kernels, in decode steps); RSS
@@ -126,8 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--with-fp32", action="store_true", help="add ours fp32 compiled and stock fp32 (6 GB each)")
     parser.add_argument("--with-int4", action="store_true",
-                        help="add ours int4 (Q4_1 quantized at load from the fp32 checkpoints): target alone, exact "
-                             "and fast; the GGUF fast target with the int4 draft")
+                        help="add ours int4 (quantized at load from the fp32 checkpoints): the target alone, exact "
+                             "and fast; the int4 draft with the fast int4 target and with the fast GGUF target")
     parser.add_argument("--tag", default="", help="a word for the table's title (the machine, the load)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", required=True)
@@ -194,6 +194,7 @@ def main(argv=None) -> int:
         int4_draft.generation_config.num_assistant_tokens_schedule = "constant"
         int4_draft.generation_config.assistant_confidence_threshold = 0.0
         configs += [("ours int4 exact alone", int4["exact"], {}), ("ours int4 fast alone", int4["fast"], {}),
+                    (f"ours int4 fast + int4 fast draft, k={args.k}", int4["fast"], {"assistant_model": int4_draft}),
                     (f"ours GGUF fast + int4 fast draft, k={args.k}", fast, {"assistant_model": int4_draft})]
     if args.with_fp32:
         fp32 = IPEXModelForCausalLM.from_pretrained(folder, export=True, backend="torch", torch_compile=True)

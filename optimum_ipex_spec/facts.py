@@ -25,8 +25,8 @@ BACKENDS = ("auto", "ipex", "torch")
 
 #: how the pure-PyTorch decoder holds its weights: "dense" (the model's dtype), "int8" (weight-only, per-channel
 #: scales, bf16 activations: ``from_pretrained(..., weights="int8")``, ``self_draft(weights="int8")``), "int4"
-#: (quantized at load into ggml Q4_1 blocks, fp32 activations, :mod:`~optimum_ipex_spec.int4_weights`) or "gguf" (a
-#: GGUF file's blocks as shipped, fp32 activations: ``from_pretrained(..., weights="gguf")``,
+#: (quantized at load into ggml Q4_K / Q4_1 blocks, fp32 activations, :mod:`~optimum_ipex_spec.int4_weights`) or
+#: "gguf" (a GGUF file's blocks as shipped, fp32 activations: ``from_pretrained(..., weights="gguf")``,
 #: :mod:`~optimum_ipex_spec.gguf_weights`)
 WEIGHT_FORMATS = ("dense", "int8", "int4", "gguf")
 #: the formats whose projections are :class:`~optimum_ipex_spec.gguf_weights.GGUFLinear` blocks

@@ -14,15 +14,14 @@ A decode step reads every weight once, so the block type decides the speed:
 gguf-py has no Q4_K quantizer; :func:`quantize_q4_k` is ours: per group, the minimum ``lo = min(0, min w)`` and the
 step ``(max w - lo) / 15``; per super-block ``d = max step / 63`` and ``dmin = max(-lo) / 63`` in fp16; the 6-bit scale
 and minimum rounded from them; codes ``(w + dmin * m) / (d * s)`` rounded into 0..15. llama.cpp's own quantizer
-(``make_qkx2_quants``) searches each group's scale and minimum; this one does not, and measured as close to the fp32
-model's next-token distribution as Q4_1 (docs/gguf.md). The dense weights are released as each matrix is replaced, so
+(``make_qkx2_quants``) searches each group's scale and minimum; this one does not (docs/gguf.md measures it against
+Q4_1 everywhere). The dense weights are released as each matrix is replaced, so
 the model is held once. Speculative decoding over an int4 target is exact against that int4 target alone, for the
 reason a GGUF target's is: every row count gives each row the same bits.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import numpy as np
@@ -30,12 +29,12 @@ import torch
 
 from .gguf_weights import BLOCK_TYPES, LAYER_PROJECTIONS, BlockType, GGUFEmbedding, GGUFLinear, row_bytes
 
-logger = logging.getLogger(__name__)
-
 #: the block types ``weights="int4"`` holds: Q4_K where a row is a multiple of 256 values, else Q4_1
 Q4_K, Q4_1 = BLOCK_TYPES[12], BLOCK_TYPES[3]
 #: weight rows quantized at a time (bounds the temporary fp32 arrays: a few MB per call)
 QUANTIZE_ROWS = 1024
+#: the largest finite fp16 value (blocks hold their scales and minimums in fp16)
+FP16_MAX = 65504.0
 
 
 def int4_block(k: int) -> BlockType:
@@ -63,8 +62,8 @@ def quantize_q4_k(weight: torch.Tensor) -> torch.Tensor:
     d = (step.amax(-1) / 63).to(torch.float16)
     dmin = ((-lo).amax(-1) / 63).to(torch.float16)
     if not (bool(torch.isfinite(d).all()) and bool(torch.isfinite(dmin).all())):
-        raise ValueError(f"a weight matrix [{rows}, {k}] holds values beyond fp16's range (|w| above about 4e6): "
-                         "int4 blocks cannot scale them. Use weights='dense' for this model")
+        raise ValueError(f"a weight matrix [{rows}, {k}] holds values beyond fp16's range (|w| above "
+                         f"{FP16_MAX * 63:g}): int4 blocks cannot scale them. Use weights='dense' for this model")
     df, dminf = d.float()[:, None], dmin.float()[:, None]
     zeros = torch.zeros_like(step)
     scale = torch.where(df > 0, torch.round(step / df), zeros).clamp(0, 63)
@@ -105,6 +104,9 @@ def quantize_int4(weight: torch.Tensor) -> torch.Tensor:
         if not bool(torch.isfinite(chunk).all()):
             raise ValueError(f"a weight matrix [{rows}, {k}] holds NaN or infinite values (rows from {start}): the "
                              "checkpoint is damaged; int4 quantization would hide it")
+        if block is Q4_1 and float(chunk.abs().amax()) > FP16_MAX / 2:  # fp16 minimum and step (max - min) / 15
+            raise ValueError(f"a weight matrix [{rows}, {k}] holds values beyond fp16's range (|w| above "
+                             f"{FP16_MAX / 2:g}): int4 blocks cannot scale them. Use weights='dense' for this model")
         if block is Q4_K:
             blocks = quantize_q4_k(chunk)
         else:
@@ -173,8 +175,13 @@ def check_load_options(weights: str, torch_dtype, backend: str, gguf_mode: Optio
         raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder: pass backend='auto' or 'torch', or "
                          "weights='dense' for IPEX")
     dtype = None if torch_dtype in (None, "auto") else resolve_dtype(torch_dtype)
-    needs = torch.bfloat16 if weights == "int8" else torch.float32
-    if dtype is not None and dtype != needs:
+    if dtype is not None and dtype != activation_dtype(weights):
         raise ValueError(f"weights={weights!r} runs with {'bf16' if weights == 'int8' else 'fp32'} activations; got "
-                         f"torch_dtype={torch_dtype!r}. Pass torch_dtype=torch."
-                         f"{'bfloat16' if weights == 'int8' else 'float32'}")
+                         f"{torch_dtype}. Pass torch_dtype=torch.{'bfloat16' if weights == 'int8' else 'float32'} "
+                         "(or leave it out), or give from_transformers_model a model in that dtype")
+
+
+def activation_dtype(weights: str) -> torch.dtype:
+    """The activations' dtype of a weight format quantized at load: bf16 for "int8" (PyTorch's int8 kernel), fp32
+    for "int4" (the block kernels)."""
+    return torch.bfloat16 if weights == "int8" else torch.float32

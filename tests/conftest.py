@@ -86,6 +86,20 @@ class FixedProposals:
         pass
 
 
+def speculation_arguments(kind: str, target):
+    """``generate()`` arguments of the candidate sources every quantized target is tested with (its int8 and bf16
+    self-drafts, prompt lookup, a user's candidate generator), or None for another ``kind``."""
+    if kind == "int8 self-draft":
+        return {"assistant_model": target.self_draft(weights="int8")}
+    if kind == "bf16 self-draft":
+        return {"assistant_model": target.self_draft(torch_dtype=torch.bfloat16)}
+    if kind == "prompt lookup":
+        return {"prompt_lookup_num_tokens": 5}
+    if kind == "user candidate generator":
+        return {"candidate_generator": FixedProposals([17, 200, 33])}
+    return None
+
+
 def exact_two_token_distributions(model, ids):
     """Target's exact distribution of the 1st token and the marginal of the 2nd token (temperature 1)."""
     with torch.no_grad():

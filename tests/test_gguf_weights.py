@@ -20,7 +20,7 @@ from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec import gguf_weights as gw
 from optimum_ipex_spec.gguf_weights import BLOCK_TYPES, GGUFError, GGUFLinear
 
-from conftest import FixedProposals
+from conftest import speculation_arguments
 
 gguf = pytest.importorskip("gguf")
 
@@ -297,19 +297,14 @@ def qwen_gguf(kernel, tiny_gguf):
 
 def _drafts(kind, qwen_gguf, tiny_gguf):
     folder = qwen_gguf["folder"]
-    if kind == "int8 self-draft":
-        return {"assistant_model": qwen_gguf["target"].self_draft(weights="int8")}
-    if kind == "bf16 self-draft":
-        return {"assistant_model": qwen_gguf["target"].self_draft(torch_dtype=torch.bfloat16)}
+    shared = speculation_arguments(kind, qwen_gguf["target"])
+    if shared is not None:
+        return shared
     if kind == "gguf draft of another seed":
         other, _ = tiny_gguf("qwen2", seed=1)
         return {"assistant_model": IPEXModelForCausalLM.from_pretrained(other, weights="gguf")}
     if kind == "dense draft (the dequantized folder)":
         return {"assistant_model": IPEXModelForCausalLM.from_pretrained(folder, export=True)}
-    if kind == "prompt lookup":
-        return {"prompt_lookup_num_tokens": 5}
-    if kind == "user candidate generator":
-        return {"candidate_generator": FixedProposals([17, 200, 33])}
     raise ValueError(kind)
 
 

@@ -20,7 +20,7 @@ from optimum_ipex_spec import gguf_weights as gw
 from optimum_ipex_spec.gguf_weights import GGUFLinear
 from optimum_ipex_spec.int4_weights import Q4_1, Q4_K, int4_block, quantize_int4
 
-from conftest import FixedProposals
+from conftest import FixedProposals, speculation_arguments
 
 gguf = pytest.importorskip("gguf")
 
@@ -71,12 +71,21 @@ def test_q4_k_values_are_within_the_super_blocks_step():
     assert float((values[9, :256] - weight[9, :256]).abs().max()) < 2e-4, "a small super-block keeps its own scale"
 
 
+def test_quantizing_in_chunks_writes_every_row_in_place():
+    weight = torch.randn(1030, 96, generator=torch.Generator().manual_seed(9))  # more rows than QUANTIZE_ROWS
+    whole = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    assert np.array_equal(quantize_int4(weight).numpy(), whole), "gguf-py's bytes for the whole matrix at once"
+    zero = quantize_int4(torch.zeros(3, 512))
+    assert torch.equal(_dequantize(zero, 512), torch.zeros(3, 512)), "an all-zero super-block stays zero"
+
+
 @pytest.mark.parametrize("weight, match", [
     (torch.zeros(4, 48), "multiple"),
     (torch.zeros(64), "2-D"),
     (torch.full((4, 64), float("nan")), "NaN"),
     (torch.full((4, 256), float("inf")), "NaN or infinite"),
     (torch.full((4, 256), 1e9), "fp16"),
+    (torch.full((4, 96), -7e4), "fp16"),
 ])
 def test_quantizer_refuses_bad_matrices(weight, match):
     with pytest.raises(ValueError, match=match):
@@ -124,13 +133,13 @@ def test_int4_model_is_its_dequantized_model(int4):
         assert float(top[0] - top[1]) < 1e-4, f"int4 tokens differ at {at} where the dequantized model is not tied"
 
 
-def _tied_llama(seed: int = 4):
+def _tied_llama(seed: int = 4, intermediate: int = 512, kv_heads: int = 2):
     """A tiny tied Llama whose rows are multiples of 256 values (every int4 matrix Q4_K), and its twin."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=intermediate, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).eval()
     model.config.architectures = ["LlamaForCausalLM"]
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -171,21 +180,36 @@ def test_speculation_over_a_q4_k_target_is_lossless(mode, compiled):
         assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, **extra), alone), extra
 
 
-@pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_a_verification_chunk_gives_each_token_its_decode_steps_bits(mode):
-    """The eager decoder on block weights: 4 tokens verified in one chunk on a cache get, bit for bit, the logits
-    4 decode steps give them (the fast mode's int8 rounding would turn a last-bit difference in attention into a
+@pytest.mark.parametrize("mode, kv_heads, intermediate, threads", [
+    ("exact", 2, 512, None), ("fast", 2, 512, None), ("fast", 4, 512, None),
+    # an activation over 8 rows of 8960 values is split among 3 threads at a point that is not a row's start (exact:
+    # the mode that passes a last-bit difference on)
+    ("exact", 2, 8960, 3),
+])
+def test_a_verification_chunk_gives_each_token_its_decode_steps_bits(mode, kv_heads, intermediate, threads):
+    """The eager decoder on block weights: tokens verified in one chunk on a cache get, bit for bit, the logits
+    decode steps give them (the fast mode's int8 rounding would turn a last-bit difference in attention into a
     visible one: a real prompt's greedy tokens changed under speculation before the chunk's rows attended one at a
-    time)."""
+    time). Grouped-query and multi-head attention; an MLP activation that ATen splits among threads."""
     if mode == "fast" and not gw.gguf_fast_available():
         pytest.skip("the fast mode needs AVX512-VNNI here")
-    model, _ = _tied_llama()
+    model, _ = _tied_llama(intermediate=intermediate, kv_heads=kv_heads)
     decoder = IPEXModelForCausalLM.from_transformers_model(model, weights="int4", gguf_mode=mode).runner.decoder
     ids = (PROMPT % 512)[:, :12]
-    chunk = torch.tensor([[7, 300, 41, 99]])
+    chunk = torch.tensor([[7, 300, 41, 99, 5, 77, 123, 400]])
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        _check_chunk_bits(decoder, ids, chunk)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_chunk_bits(decoder, ids, chunk):
 
     def logits(steps):
-        cache = decoder.new_cache(1, 32, torch.float32)
+        cache = decoder.new_cache(1, 40, torch.float32)
         decoder.forward(ids, torch.arange(12)[None], torch.ones(1, 12, dtype=torch.long), cache, True)
         out, start = [], 12
         for part in steps:
@@ -195,7 +219,8 @@ def test_a_verification_chunk_gives_each_token_its_decode_steps_bits(mode):
             start += n
         return torch.cat(out, dim=1)
 
-    one_by_one = logits([chunk[:, i:i + 1] for i in range(4)])
+    n = chunk.shape[1]
+    one_by_one = logits([chunk[:, i:i + 1] for i in range(n)])
     assert torch.equal(logits([chunk]), one_by_one)
     assert torch.equal(logits([chunk[:, :3], chunk[:, 3:]]), one_by_one)
 
@@ -204,17 +229,9 @@ def _draft(kind, folder, target):
     if kind == "int4 self-draft of the dense model":
         return {"assistant_model": IPEXModelForCausalLM.from_pretrained(folder, export=True).self_draft(
             weights="int4")}
-    if kind == "int8 self-draft":
-        return {"assistant_model": target.self_draft(weights="int8")}
-    if kind == "bf16 self-draft":
-        return {"assistant_model": target.self_draft(torch_dtype=torch.bfloat16)}
     if kind == "dense fp32 draft":
         return {"assistant_model": IPEXModelForCausalLM.from_pretrained(folder, export=True)}
-    if kind == "prompt lookup":
-        return {"prompt_lookup_num_tokens": 5}
-    if kind == "user candidate generator":
-        return {"candidate_generator": FixedProposals([17, 200, 33])}
-    raise ValueError(kind)
+    return speculation_arguments(kind, target)
 
 
 KINDS = ["int4 self-draft of the dense model", "int8 self-draft", "bf16 self-draft", "dense fp32 draft",
@@ -284,9 +301,24 @@ def test_an_int8_target_is_lossless(tiny_dir):
     ({"gguf_mode": "fast", "weights": "dense"}, "gguf_mode"),
     ({"weights": "int4", "gguf_mode": "quick"}, "gguf_mode must be"),
 ])
-def test_options_are_refused_before_loading(tiny_dir, kwargs, match):
+def test_options_are_refused_before_loading(tiny_dir, monkeypatch, kwargs, match):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the options were checked")
+
+    monkeypatch.setattr("optimum_ipex_spec.modeling.load_causal_lm", no_loading)
     with pytest.raises(ValueError, match=match):
         IPEXModelForCausalLM.from_pretrained(tiny_dir("qwen2"), export=True, **kwargs)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_saved_export_loads_quantized(int4, tmp_path, weights):
+    dense = IPEXModelForCausalLM.from_pretrained(int4["folder"], export=True, backend="torch")
+    dense.save_pretrained(tmp_path / "export")
+    direct = IPEXModelForCausalLM.from_pretrained(int4["folder"], export=True, weights=weights)
+    loaded = IPEXModelForCausalLM.from_pretrained(tmp_path / "export", weights=weights)
+    assert loaded.weights == weights and loaded.dtype == direct.dtype
+    expected = direct.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    assert torch.equal(loaded.generate(PROMPT, max_new_tokens=12, do_sample=False), expected)
 
 
 def test_what_an_int4_model_cannot_do_is_refused(int4, tiny_dir, tmp_path):

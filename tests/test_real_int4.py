@@ -2,7 +2,7 @@
 (biases on q/k/v, a head of its own), from its provisioned fp32 folder.
 
 - Quality floor: teacher-forced on a real chat prompt and its fp32 continuation, the int4 model's next token is the
-  fp32 model's at most positions (Q4_1 keeps about 88% here; a wrong row order or a broken block gives ~0%).
+  fp32 model's at most positions (a wrong row order or a broken block gives about none).
 - Speculative decoding over the int4 target, exact and fast mode, returns its own greedy tokens: prompt lookup, its
   int8 self-draft (bf16), and SmolLM2-135M's int4 copy as a draft of another tokenizer (universal assisted generation).
 """
