@@ -21,7 +21,7 @@ setup(
     # `optimum-cli export ipex`.
     packages=find_packages(include=["optimum_ipex_spec", "optimum_ipex_spec.*"]) + ["optimum.commands.register"],
     # the C++ kernels, built at their first use (torch.utils.cpp_extension)
-    package_data={"optimum_ipex_spec": ["csrc/*.cpp"]},
+    package_data={"optimum_ipex_spec": ["csrc/*.cpp", "csrc/*.h"]},
     python_requires=">=3.9",
     install_requires=[
         "torch",  # any build; the lanes below pin exact versions

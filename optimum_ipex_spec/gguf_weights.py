@@ -26,6 +26,7 @@ and byte range is checked before use (:func:`read_gguf`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from .packed_gemm import OPENMP
+from .utils.memory import page_out
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +64,20 @@ BLOCK_TYPES: Dict[int, BlockType] = {t.qtype: t for t in (
 REFERENCE_ROWS = 1024
 
 _SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.cpp"
-_FAST_SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm_vnni.cpp"
+_FAST_SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                      for name in ("gguf_gemm_vnni.cpp", "gguf_interleaved_vnni.cpp"))
+#: what the fast sources include (not in torch's build hash, so in the extension's name)
+_FAST_HEADER = Path(__file__).parent / "csrc" / "gguf_vnni_activations.h"
 
 #: how a :class:`GGUFLinear` multiplies: "exact" (fp32 activations times the exact dequantized weights) or "fast"
 #: (activations rounded to int8 per block, integer dot products with AVX512-VNNI, as llama.cpp does: its own outputs)
 MODES = ("exact", "fast")
 #: block types the fast kernel runs (F16 / F32 tensors, and rows not a multiple of 64 values, stay exact)
 FAST_TYPES = (2, 3, 6, 8, 12, 13, 14)
+#: block types the fast mode holds with 16 weight rows per vector (``csrc/gguf_interleaved_vnni.cpp``), in layers of
+#: a multiple of 16 rows: every fast type but Q5_K; their extra rows of x (a verification, a prefill) cost fewer
+#: instructions
+INTERLEAVED_TYPES = (2, 3, 6, 8, 12, 14)
 
 
 class GGUFError(ValueError):
@@ -150,11 +159,15 @@ def gguf_fast_available() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        name = "optimum_ipex_spec_gguf_vnni_v1_torch" + re.sub(r"\W", "_", torch.__version__)
-        load(name, sources=[str(_FAST_SOURCE)], is_python_module=False, verbose=False,
+        # torch's build hash covers the sources, not the header they include: its hash goes in the name
+        header = hashlib.sha256(_FAST_HEADER.read_bytes()).hexdigest()[:12]
+        name = f"optimum_ipex_spec_gguf_vnni_v2_{header}_torch" + re.sub(r"\W", "_", torch.__version__)
+        load(name, sources=[str(source) for source in _FAST_SOURCES], is_python_module=False, verbose=False,
              extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
                            "-ffp-contract=off", *OPENMP], extra_ldflags=OPENMP)
         torch.library.register_fake("optimum_ipex_spec_gguf_vnni::mm")(_mm_shape)
+        torch.library.register_fake("optimum_ipex_spec_gguf_vnni::mm_interleaved")(_mm_interleaved_shape)
+        torch.library.register_fake("optimum_ipex_spec_gguf_vnni::deinterleave")(_deinterleave_shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
         text = str(exc).strip().splitlines()
         logger.warning("Could not build the fast GGUF kernel (%s: %s): GGUF weights multiply in the exact mode.",
@@ -165,6 +178,14 @@ def gguf_fast_available() -> bool:
 
 def _mm_shape(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+
+def _mm_interleaved_shape(x: torch.Tensor, groups: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], 16 * groups.shape[0]))
+
+
+def _deinterleave_shape(groups: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return groups.new_empty((16 * groups.shape[0], row_bytes(BLOCK_TYPES[qtype], k)))
 
 
 def _dequantize_shape(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -207,8 +228,13 @@ def reference_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> t
 
 
 class GGUFLinear(torch.nn.Module):
-    """``x @ W.T + b`` with ``W`` held as GGUF blocks (a view of the memory-mapped file, no copy): ``x [..., in]``
-    fp32 -> ``[..., out]`` fp32. The kernel where :func:`gguf_kernel_available`, else :func:`reference_mm`.
+    """``x @ W.T + b`` with ``W`` held as GGUF blocks: ``x [..., in]`` fp32 -> ``[..., out]`` fp32. The kernel where
+    :func:`gguf_kernel_available`, else :func:`reference_mm`.
+
+    In the fast mode a layer of :data:`INTERLEAVED_TYPES` with a multiple of 16 rows is held once, in the fast
+    kernel's interleaved layout (16 rows per vector, the same bytes rearranged; a few percent more for Q4_K and
+    Q6_K): the rows of a verification or a prefill then cost fewer instructions each. Any other layer holds the
+    blocks as given (a view of the memory-mapped file, or the caller's tensor).
 
     Args:
         blocks: uint8 ``[out, row_bytes]``, each row ``in_features`` values in ``block``'s type.
@@ -229,21 +255,52 @@ class GGUFLinear(torch.nn.Module):
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(block, in_features):
             raise GGUFError(f"{block.name} blocks of rows of {in_features} values must be uint8 "
                             f"[out, {row_bytes(block, in_features)}], got {blocks.dtype} {tuple(blocks.shape)}")
-        self.register_buffer("blocks", blocks, persistent=False)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.register_buffer("bias", bias, persistent=False)
         self.block = block
         self.qtype = block.qtype
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         #: whether the kernel multiplies (decided once: a plain attribute, which torch.compile reads as a constant)
         self.kernel = gguf_kernel_available()
         #: whether the fast kernel multiplies (mode "fast" where it runs this layer)
         self.fast = (mode == "fast" and block.qtype in FAST_TYPES and in_features % 64 == 0
                      and gguf_fast_available())
+        #: whether the layer is held in the interleaved layout (``groups``) instead of row-major ``blocks``
+        self.interleaved = self.fast and block.qtype in INTERLEAVED_TYPES and self.out_features % 16 == 0
+        if self.interleaved:
+            groups = torch.ops.optimum_ipex_spec_gguf_vnni.interleave(blocks.contiguous(), self.qtype, in_features)
+            self.register_buffer("row_major", None, persistent=False)
+            self.register_buffer("groups", groups, persistent=False)
+        else:
+            self.register_buffer("row_major", blocks, persistent=False)
+            self.register_buffer("groups", None, persistent=False)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """uint8 ``[out, row_bytes]``: the GGUF rows (of an interleaved layer: put back, a new tensor, byte for byte
+        the rows it was given)."""
+        if self.row_major is not None:
+            return self.row_major
+        return torch.ops.optimum_ipex_spec_gguf_vnni.deinterleave(self.groups, self.qtype, self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[len(ids), row_bytes]``: the GGUF rows ``ids`` (int64 ``[n]``), e.g. an embedding's lookups (of an
+        interleaved layer: the group of 16 rows that holds each id put back, per id; shapes fixed by ``ids``'s, as
+        torch.compile needs: no ``torch.unique``).
+
+        Raises:
+            IndexError: an id outside ``[0, out_features)``.
+        """
+        if self.row_major is not None:
+            return self.row_major.index_select(0, ids)
+        groups = self.groups.index_select(0, torch.div(ids, 16, rounding_mode="floor"))
+        rows = torch.ops.optimum_ipex_spec_gguf_vnni.deinterleave(groups, self.qtype, self.in_features)
+        return rows.index_select(0, torch.arange(ids.numel()) * 16 + ids % 16)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.block.name}"
+        layout = ", interleaved" if self.interleaved else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.block.name}{layout}"
 
     def dequantized(self) -> torch.Tensor:
         """The weight ``[out, in]`` fp32 (a new tensor: what the blocks stand for)."""
@@ -261,12 +318,14 @@ class GGUFLinear(torch.nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"this GGUF layer takes {self.in_features} input features, got x of shape "
                              f"{tuple(x.shape)}")
-        if self.fast:
-            out = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, self.blocks, self.qtype, self.in_features)
+        if self.interleaved:
+            out = torch.ops.optimum_ipex_spec_gguf_vnni.mm_interleaved(x, self.groups, self.qtype, self.in_features)
+        elif self.fast:
+            out = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, self.row_major, self.qtype, self.in_features)
         elif self.kernel:
-            out = torch.ops.optimum_ipex_spec_gguf.mm(x, self.blocks, self.qtype, self.in_features)
+            out = torch.ops.optimum_ipex_spec_gguf.mm(x, self.row_major, self.qtype, self.in_features)
         else:
-            out = reference_mm(x, self.blocks, self.qtype, self.in_features)
+            out = reference_mm(x, self.row_major, self.qtype, self.in_features)
         return out if self.bias is None else out + self.bias
 
 
@@ -284,7 +343,7 @@ class GGUFEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.blocks.index_select(0, ids.reshape(-1))
+        rows = self.table.rows(ids.reshape(-1))
         if self.table.kernel:
             values = torch.ops.optimum_ipex_spec_gguf.dequantize(rows, self.table.qtype, self.embedding_dim)
         else:
@@ -320,8 +379,9 @@ class GGUFFile:
     _mapped: Optional[torch.Tensor] = None
 
     def mapped(self) -> torch.Tensor:
-        """The whole file as a read-only uint8 tensor on a private memory map (pages read from the file as they are
-        touched, shared with the page cache; nothing copied)."""
+        """The whole file as a uint8 tensor on a private memory map (pages read from the file as they are touched,
+        shared with the page cache; nothing copied; a write would stay private to this process, and nothing here
+        writes)."""
         if self._mapped is None:
             self._mapped = torch.from_file(self.path, shared=False, size=self.size, dtype=torch.uint8)
         return self._mapped
@@ -330,6 +390,19 @@ class GGUFFile:
         """uint8 ``[rows, row_bytes]``, a view of the mapped file."""
         t = self.tensors[name]
         return self.mapped()[t.offset:t.offset + t.nbytes].view(t.rows, t.nbytes // t.rows)
+
+    def release(self, name: str) -> None:
+        """Let the pages of tensor ``name`` leave this process's memory (a tensor a layer holds in another form now:
+        interleaved, or rows reordered): :func:`~optimum_ipex_spec.utils.memory.page_out` on its whole pages of the
+        map; reading them again reads the file, and a written page keeps its content. Where the OS cannot, the
+        pages stay until the kernel reclaims them.
+
+        Raises:
+            KeyError: no tensor ``name`` in the file.
+        """
+        t = self.tensors[name]
+        if self._mapped is not None:
+            page_out(self._mapped.data_ptr() + t.offset, t.nbytes)
 
     def values(self, name: str) -> torch.Tensor:
         """A small tensor (a norm, a bias) dequantized to fp32 ``[rows * k]`` (a copy of its own)."""
@@ -496,7 +569,8 @@ def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Mod
         model = AutoModelForCausalLM.from_config(config)  # the default dtype, fp32: a meta skeleton, no memory
     inner = model.model
 
-    def linear(name: str, rows: int, k: int, bias_name: Optional[str] = None, heads_permuted: int = 0):
+    def linear(name: str, rows: int, k: int, bias_name: Optional[str] = None, heads_permuted: int = 0,
+               layer_mode: str = mode):
         t = _check_shape(gguf, name, rows, k)
         blocks = gguf.blocks(name)
         bias = None
@@ -507,7 +581,10 @@ def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Mod
             order = _unpermute_rows(rows, heads_permuted)
             blocks = blocks.index_select(0, order)  # q and k only: a small copy, rows whole
             bias = bias[order] if bias is not None else None
-        return GGUFLinear(blocks, t.block, k, bias, mode=mode)
+        module = GGUFLinear(blocks, t.block, k, bias, mode=layer_mode)
+        if module.interleaved or heads_permuted:
+            gguf.release(name)  # the layer holds its own copy
+        return module
 
     def norm(module, name: str, size: int):
         _check_shape(gguf, name, 1, size)
@@ -527,9 +604,11 @@ def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Mod
         norm(layer.input_layernorm, f"blk.{index}.attn_norm.weight", hidden)
         norm(layer.post_attention_layernorm, f"blk.{index}.ffn_norm.weight", hidden)
     norm(inner.norm, "output_norm.weight", hidden)
-    table = linear("token_embd.weight", config.vocab_size, hidden)
+    tied = "output.weight" not in gguf.tensors
+    # an untied table is only looked up, never multiplied: kept as the file's rows
+    table = linear("token_embd.weight", config.vocab_size, hidden, layer_mode=mode if tied else "exact")
     inner.embed_tokens = GGUFEmbedding(table)
-    if "output.weight" in gguf.tensors:
+    if not tied:
         model.lm_head = linear("output.weight", config.vocab_size, hidden)
         config.tie_word_embeddings = False
     else:  # tied: the head multiplies the embedding's blocks
@@ -539,7 +618,7 @@ def load_gguf_model(gguf: GGUFFile, config, mode: str = "exact") -> torch.nn.Mod
         inner.rotary_emb = type(inner.rotary_emb)(config=config)
     if mode == "fast" and gguf_fast_available():
         exact = {f"{m.block.name} x {m.in_features}" for m in model.modules()
-                 if isinstance(m, GGUFLinear) and not m.fast}
+                 if isinstance(m, GGUFLinear) and not m.fast and (tied or m is not table)}
         if exact:
             _log_exact_layers_once(gguf.path, ", ".join(sorted(exact)))
     left = [name for name, tensor in list(model.named_parameters()) + list(model.named_buffers()) if tensor.is_meta]

@@ -143,7 +143,7 @@ def quantize_model_int4(model: torch.nn.Module, mode: str = "exact") -> torch.nn
             setattr(getattr(layer, parent), attr, _int4_linear(linear.weight, linear.bias, mode))
     inner = model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
-    table = _int4_linear(inner.embed_tokens.weight, None, mode)
+    table = _int4_linear(inner.embed_tokens.weight, None, mode if tied else "exact")  # untied: only looked up
     inner.embed_tokens = GGUFEmbedding(table)
     model.lm_head = table if tied else _int4_linear(model.lm_head.weight, model.lm_head.bias, mode)
     return model

@@ -18,7 +18,7 @@ import torch
 
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec import gguf_weights as gw
-from optimum_ipex_spec.gguf_weights import BLOCK_TYPES, GGUFError, GGUFLinear
+from optimum_ipex_spec.gguf_weights import BLOCK_TYPES, GGUFEmbedding, GGUFError, GGUFLinear
 
 from conftest import speculation_arguments
 
@@ -451,6 +451,86 @@ def test_fast_mode_is_int8_activations_times_the_weights(fast_kernel, name):
                            alone[:rows]), f"{rows} rows"
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_the_interleaved_layout_holds_the_same_blocks_and_multiplies_as_the_fast_mode(fast_kernel, threads, name):
+    block, rng, ops = TYPES[name], np.random.default_rng(7), torch.ops.optimum_ipex_spec_gguf_vnni
+    group_bytes = {"Q4_K": 2368, "Q6_K": 3392}.get(name, 16 * block.bytes)  # per 16 rows and block (super-block)
+    for rows, k in ((48, 512), (16, 768 if block.values == 256 else 192)):
+        blocks = random_blocks(block, rows, k, rng)
+        groups = ops.interleave(torch.from_numpy(blocks), block.qtype, k)
+        assert groups.shape == (rows // 16, k // block.values * group_bytes)
+        assert torch.equal(ops.deinterleave(groups, block.qtype, k), torch.from_numpy(blocks)), "byte for byte"
+        x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
+        torch.set_num_threads(1)
+        alone = torch.cat([ops.mm_interleaved(x[m:m + 1], groups, block.qtype, k) for m in range(16)])
+        torch.testing.assert_close(alone.double(), _fast_reference(x, blocks, block), rtol=1e-4, atol=1e-4)
+        # the same integer sums as the row-major fast kernel; only the order of the fp32 sums differs
+        row_major = ops.mm(x, torch.from_numpy(blocks), block.qtype, k)
+        torch.testing.assert_close(alone, row_major, rtol=1e-5, atol=1e-5)
+        for count in (1, 2):  # groups of 16 weight rows split between threads: no bit may change
+            torch.set_num_threads(count)
+            for m in range(1, 17):
+                assert torch.equal(ops.mm_interleaved(x[:m], groups, block.qtype, k), alone[:m]), (rows, k, m, count)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_fast_layer_is_held_interleaved_and_looks_up_rows(fast_kernel, name):
+    block, rng = TYPES[name], np.random.default_rng(8)
+    blocks = torch.from_numpy(random_blocks(block, 64, 256, rng))
+    layer = GGUFLinear(blocks, block, 256, mode="fast")
+    assert layer.interleaved and layer.row_major is None and "interleaved" in repr(layer)
+    assert torch.equal(layer.blocks, blocks), "the GGUF rows come back byte for byte"
+    weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(64, 256)
+    assert torch.equal(layer.dequantized(), weight)
+    ids = torch.tensor([[0, 17, 63, 17], [15, 16, 17, 0]])  # repeated ids, several in one group of 16
+    assert torch.equal(GGUFEmbedding(layer)(ids), weight[ids]), "a tied table's lookups, from the interleaved layout"
+    x = torch.randn(3, 256)
+    assert torch.equal(layer(x), torch.ops.optimum_ipex_spec_gguf_vnni.mm_interleaved(x, layer.groups, block.qtype,
+                                                                                       256))
+
+
+def test_a_fast_layer_stays_row_major_where_it_cannot_interleave(fast_kernel):
+    block, rng = TYPES["Q6_K"], np.random.default_rng(8)
+    blocks = torch.from_numpy(random_blocks(block, 64, 256, rng))
+    assert not GGUFLinear(blocks[:40], block, 256, mode="fast").interleaved, "40 rows: not a multiple of 16"
+    assert not GGUFLinear(blocks, block, 256).interleaved, "the exact mode multiplies the file's rows"
+    assert not GGUFLinear(torch.from_numpy(random_blocks(TYPES["Q5_K"], 16, 256, rng)), TYPES["Q5_K"], 256,
+                          mode="fast").interleaved, "Q5_K stays row-major"
+
+
+def test_the_interleaved_operators_refuse_what_they_cannot_hold(fast_kernel):
+    ops, rng = torch.ops.optimum_ipex_spec_gguf_vnni, np.random.default_rng(9)
+    q4k = torch.from_numpy(random_blocks(TYPES["Q4_K"], 40, 256, rng))
+    with pytest.raises(RuntimeError, match=r"contiguous uint8 \[16 n, 144\]"):
+        ops.interleave(q4k, 12, 256)  # 40 rows: not whole groups of 16
+    with pytest.raises(RuntimeError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K, got 13"):
+        ops.interleave(torch.zeros(16, 176, dtype=torch.uint8), 13, 256)  # Q5_K
+    with pytest.raises(RuntimeError, match="not a positive multiple of 256"):
+        ops.interleave(q4k[:16], 12, 128)
+    groups = ops.interleave(q4k[:32].contiguous(), 12, 256)
+    with pytest.raises(RuntimeError, match="must end in 256 features"):
+        ops.mm_interleaved(torch.randn(1, 128), groups, 12, 256)
+    with pytest.raises(RuntimeError, match=r"groups must be a contiguous uint8 \[n, 4736\]"):
+        ops.mm_interleaved(torch.randn(1, 512), groups, 12, 512)
+
+
+def test_in_the_fast_mode_an_untied_table_stays_as_the_files_rows(fast_kernel, tiny_gguf):
+    folder, _ = tiny_gguf("qwen2")  # untied: a Q8_0 table and a Q6_K head
+    target = IPEXModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", gguf_mode="fast")
+    table, head = target.model.model.embed_tokens.table, target.model.lm_head
+    assert not table.interleaved and not table.fast and head.interleaved
+
+
+def test_released_pages_keep_the_files_bytes(kernel, tiny_gguf):
+    """Releasing a tensor's pages never changes what they hold (their memory effect is measured in
+    benchmarks/gguf_llamacpp.py's RSS line)."""
+    _, path = tiny_gguf("qwen2")
+    gguf_file = gw.read_gguf(path)
+    before = gguf_file.blocks("output.weight").clone()
+    gguf_file.release("output.weight")
+    assert torch.equal(gguf_file.blocks("output.weight"), before)
+
+
 @pytest.mark.parametrize("kind", ["int8 self-draft", "prompt lookup", "gguf draft of another seed"])
 def test_speculation_over_a_fast_mode_target_is_lossless(fast_kernel, qwen_gguf, tiny_gguf, kind):
     folder = qwen_gguf["folder"]
@@ -459,6 +539,24 @@ def test_speculation_over_a_fast_mode_target_is_lossless(fast_kernel, qwen_gguf,
     alone = target.generate(PROMPT, max_new_tokens=24, do_sample=False)
     extra = _drafts(kind, {**qwen_gguf, "target": target}, tiny_gguf)
     assert torch.equal(target.generate(PROMPT, max_new_tokens=24, do_sample=False, **extra), alone), kind
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # untied (table row-major) and tied (table interleaved)
+def test_sampling_and_lookup_over_an_interleaved_fast_target(fast_kernel, tiny_gguf, arch):
+    folder, path = tiny_gguf(arch)
+    target = IPEXModelForCausalLM.from_pretrained(path, gguf_mode="fast")
+    assert target.model.lm_head.interleaved
+    alone = target.generate(PROMPT, max_new_tokens=24, do_sample=False)
+    assert torch.equal(target.generate(PROMPT, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=5), alone)
+    draft = IPEXModelForCausalLM.from_pretrained(folder, export=True, weights="int8")
+    # top_k=1 goes through the sampling verification and must give the greedy tokens
+    got = target.generate(PROMPT, max_new_tokens=24, do_sample=True, top_k=1, assistant_model=draft)
+    assert torch.equal(got, alone)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(target.generate(PROMPT, max_new_tokens=16, do_sample=True, temperature=1.0, assistant_model=draft))
+    assert torch.equal(runs[0], runs[1]), "the same seed gives the same output"
 
 
 def test_gguf_mode_is_checked(kernel, tiny_gguf):

@@ -6,7 +6,8 @@ untied Q8_0 head) and SmolLM2-135M-Instruct (Q4_1, tied Q8_0 embedding, llama.cp
 - Greedy tokens on real chat prompts are our fp32 path's on that folder, or differ first where its top two logits are
   within 1e-4 (the issue's rule; the sums run in another order).
 - Speculative decoding over the GGUF target returns its own tokens: with its int8 and bf16 self-drafts, prompt
-  lookup, and SmolLM2's GGUF as a draft of another tokenizer (universal assisted generation).
+  lookup, and SmolLM2's GGUF as a draft of another tokenizer (universal assisted generation); in the fast mode too
+  (its layers interleaved, 16 rows per vector) with an int8 self-draft and prompt lookup.
 """
 
 import pytest
@@ -87,6 +88,30 @@ def test_speculation_over_the_qwen_gguf_is_lossless(qwen_gguf, kind):
     for enc, alone in zip(qwen_gguf["prompts"], qwen_gguf["alone"]):
         got = target.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, **extra)
         assert torch.equal(got, alone), kind
+
+
+@pytest.mark.parametrize("kind", ["int8 self-draft", "prompt lookup"])
+def test_speculation_over_the_fast_mode_is_lossless(qwen_gguf, kind):
+    """The fast mode on the real file: its Q5_0 / Q8_0 / Q4_K / Q6_K layers interleaved (16 rows per vector), the
+    untied embedding table row-major; a draft's verification returns the fast target's own greedy tokens."""
+    from optimum_ipex_spec.gguf_weights import gguf_fast_available
+
+    if not gguf_fast_available():
+        pytest.skip("the fast GGUF mode needs AVX512-VNNI here")
+    fast = qwen_gguf.get("fast")
+    if fast is None:
+        fast = qwen_gguf["fast"] = IPEXModelForCausalLM.from_pretrained("qwen2.5-coder-0.5b-instruct", weights="gguf",
+                                                                        gguf_mode="fast")
+        qwen_gguf["fast alone"] = [fast.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
+                                   for enc in qwen_gguf["prompts"]]
+    down = fast.model.get_submodule("model.layers.12.mlp.down_proj")  # a Q4_K layer
+    assert down.interleaved
+    assert torch.equal(down.dequantized(), qwen_gguf["target"].model.get_submodule("model.layers.12.mlp.down_proj")
+                       .dequantized()), "the interleaved layer holds the file's blocks"
+    extra = ({"assistant_model": fast.self_draft(weights="int8")} if kind == "int8 self-draft"
+             else {"prompt_lookup_num_tokens": 6})
+    for enc, alone in zip(qwen_gguf["prompts"], qwen_gguf["fast alone"]):
+        assert torch.equal(fast.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, **extra), alone), kind
 
 
 def test_smollm2_gguf_file_alone_reads_its_config_from_the_file(smollm2_dir):
