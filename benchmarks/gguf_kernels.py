@@ -3,9 +3,10 @@
 One pass multiplies 1 (a decode step) or 4 (a verification of 3 draft tokens) rows of random activations by every
 quantized matrix of the file (the embedding table excepted: a step reads one of its rows), each matrix the private
 memory map the model uses, so a pass streams the file's bytes per token from memory. Per kernel (exact, fast) and row
-count: the median pass time over interleaved rounds, the bytes it read per second, and beside them the read bandwidth
-of a plain ``sum`` over 512 MB measured in the same run (the one-token roofline is the file's bytes over it). The
-4-row pass over the 1-row one is a verification's cost in decode steps on these kernels alone. Usage::
+count (the fast kernel both as the fast mode holds its layers, interleaved 16 rows per vector, and row-major as in
+the file): the median pass time over interleaved rounds, the bytes it read per second, and beside them the read
+bandwidth of a plain ``sum`` over 512 MB measured in the same run (the one-token roofline is the file's bytes over
+it). The 4-row pass over the 1-row one is a verification's cost in decode steps on these kernels alone. Usage::
 
     python benchmarks/gguf_kernels.py --target qwen2.5-coder-1.5b-instruct --threads 1
 """
@@ -13,6 +14,7 @@ of a plain ``sum`` over 512 MB measured in the same run (the one-token roofline 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -38,11 +40,16 @@ def main(argv=None) -> int:
     matrices = [(gguf.blocks(name), info) for name, info in gguf.tensors.items()
                 if info.rows > 1 and info.block.values > 1 and not name.startswith("token_embd")]
     total = sum(blocks.numel() for blocks, _ in matrices)
-    kernels = {}
+    kernels = {}  # mode -> one callable per matrix, x -> x @ W.T
     if gguf_weights.gguf_kernel_available():
-        kernels["exact"] = torch.ops.optimum_ipex_spec_gguf.mm
+        exact = torch.ops.optimum_ipex_spec_gguf.mm
+        kernels["exact"] = [functools.partial(exact, blocks=b, qtype=i.block.qtype, K=i.k) for b, i in matrices]
     if gguf_weights.gguf_fast_available():
-        kernels["fast"] = torch.ops.optimum_ipex_spec_gguf_vnni.mm
+        fast = torch.ops.optimum_ipex_spec_gguf_vnni
+        kernels["fast, row-major"] = [functools.partial(fast.mm, blocks=b, qtype=i.block.qtype, K=i.k)
+                                      for b, i in matrices]
+        # as the fast mode holds them (GGUFLinear decides: interleaved 16 rows per vector where it can, a copy)
+        kernels["fast"] = [gguf_weights.GGUFLinear(b, i.block, i.k, mode="fast") for b, i in matrices]
     if not kernels:
         print("no GGUF kernel runs here (AVX-512 and a C++ compiler are needed)", file=sys.stderr)
         return 1
@@ -50,8 +57,8 @@ def main(argv=None) -> int:
 
     def one_pass(kernel, rows: int) -> float:
         start = time.perf_counter()
-        for blocks, info in matrices:
-            kernel(inputs[rows][info.k], blocks, info.block.qtype, info.k)
+        for multiply, (_, info) in zip(kernel, matrices):
+            multiply(inputs[rows][info.k])
         return time.perf_counter() - start
 
     times = {(mode, rows): [] for mode in kernels for rows in (1, 4)}
