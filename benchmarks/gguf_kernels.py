@@ -41,9 +41,10 @@ def main(argv=None) -> int:
                 if info.rows > 1 and info.block.values > 1 and not name.startswith("token_embd")]
     total = sum(blocks.numel() for blocks, _ in matrices)
     kernels = {}  # mode -> one callable per matrix, x -> x @ W.T
-    if gguf_weights.gguf_kernel_available():
-        exact = torch.ops.optimum_ipex_spec_gguf.mm
-        kernels["exact"] = [functools.partial(exact, blocks=b, qtype=i.block.qtype, K=i.k) for b, i in matrices]
+    isa = gguf_weights.exact_kernel()  # "avx512", "avx2" (OPTIMUM_IPEX_SPEC_GGUF_KERNEL picks another) or None
+    if isa is not None:
+        kernels[f"exact ({isa})"] = [functools.partial(gguf_weights.exact_mm, isa, blocks=b, qtype=i.block.qtype,
+                                                       k=i.k) for b, i in matrices]
     if gguf_weights.gguf_fast_available():
         fast = torch.ops.optimum_ipex_spec_gguf_vnni
         kernels["fast, row-major"] = [functools.partial(fast.mm, blocks=b, qtype=i.block.qtype, K=i.k)
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         # as the fast mode holds them (GGUFLinear decides: interleaved 16 rows per vector where it can, a copy)
         kernels["fast"] = [gguf_weights.GGUFLinear(b, i.block, i.k, mode="fast") for b, i in matrices]
     if not kernels:
-        print("no GGUF kernel runs here (AVX-512 and a C++ compiler are needed)", file=sys.stderr)
+        print("no GGUF kernel runs here (AVX2 or AVX-512, and a C++ compiler, are needed)", file=sys.stderr)
         return 1
     inputs = {rows: {k: torch.randn(rows, k) for k in {info.k for _, info in matrices}} for rows in (1, 4)}
 

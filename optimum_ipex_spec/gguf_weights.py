@@ -17,10 +17,11 @@ decoder's Llama family (GGUF ``llama``: SmolLM2; ``qwen2``: Qwen2.5). llama.cpp'
 ``attn_q`` / ``attn_k`` of ``llama`` models for its rotary layout; whole rows move, so :func:`load_gguf_model` undoes it
 on the quantized rows (as transformers' ``LlamaTensorProcessor`` does on dequantized ones).
 
-Where the kernel cannot run (no AVX-512, no C++ compiler), :class:`GGUFLinear` multiplies through the PyTorch reference
-(:func:`reference_mm`: gguf-py's dequantization, a bounded number of rows at a time, then ``torch.mv`` per row; slow,
-logged once). The file is untrusted data: it is parsed by gguf-py's reader (no code runs), every tensor's type, shape
-and byte range is checked before use (:func:`read_gguf`).
+The exact kernel has an AVX-512 build and an AVX2 one (``csrc/gguf_gemm_avx2.cpp``: the same bits, see
+:func:`exact_kernel`). Where neither runs (no AVX2, no C++ compiler), :class:`GGUFLinear` multiplies through the PyTorch
+reference (:func:`reference_mm`: gguf-py's dequantization, a bounded number of rows at a time, then ``torch.mv`` per
+row; slow, logged once). The file is untrusted data: it is parsed by gguf-py's reader (no code runs), every tensor's
+type, shape and byte range is checked before use (:func:`read_gguf`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ BLOCK_TYPES: Dict[int, BlockType] = {t.qtype: t for t in (
 REFERENCE_ROWS = 1024
 
 _SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.cpp"
+_AVX2_SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm_avx2.cpp"
+#: what the exact sources include (not in torch's build hash, so in the extension's name)
+_EXACT_HEADER = Path(__file__).parent / "csrc" / "gguf_formats.h"
 _FAST_SOURCES = tuple(Path(__file__).parent / "csrc" / name
                       for name in ("gguf_gemm_vnni.cpp", "gguf_interleaved_vnni.cpp"))
 #: what the fast sources include (not in torch's build hash, so in the extension's name)
@@ -99,39 +103,81 @@ def row_bytes(block: BlockType, k: int) -> int:
 # ----------------------------------------------------------------------------------------------- the kernel
 
 
+#: the exact kernel's builds, best first: instruction set -> (source, operator namespace, compiler flags, CPU flags)
+EXACT_KERNELS = {
+    "avx512": (_SOURCE, "optimum_ipex_spec_gguf", ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"],
+               {"avx512f", "avx512bw", "fma", "f16c"}),
+    "avx2": (_AVX2_SOURCE, "optimum_ipex_spec_gguf_avx2", ["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+}
+#: the environment variable that picks the exact kernel: "auto" (the default: the best one this CPU runs), one of
+#: :data:`EXACT_KERNELS`, or "reference" (the PyTorch reference); tests use it to run each path on one machine
+KERNEL_VARIABLE = "OPTIMUM_IPEX_SPEC_GGUF_KERNEL"
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel_built() -> bool:
-    logger.info("Loading the GGUF kernel (built once per machine and torch, about 20-40 s; cached in "
-                "TORCH_EXTENSIONS_DIR)...")
+def _kernel_built(isa: str) -> bool:
+    source, namespace, flags, _ = EXACT_KERNELS[isa]
+    logger.info("Loading the GGUF kernel for %s (built once per machine and torch, about 20-40 s; cached in "
+                "TORCH_EXTENSIONS_DIR)...", isa.upper())
     try:
         from torch.utils.cpp_extension import load
 
-        # the torch version in the name: two torch versions sharing one TORCH_EXTENSIONS_DIR keep a build each
-        name = "optimum_ipex_spec_gguf_gemm_v1_torch" + re.sub(r"\W", "_", torch.__version__)
-        load(name, sources=[str(_SOURCE)], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-mf16c", "-ffp-contract=off", *OPENMP],
-             extra_ldflags=OPENMP)
-        torch.library.register_fake("optimum_ipex_spec_gguf::mm")(_mm_shape)
-        torch.library.register_fake("optimum_ipex_spec_gguf::dequantize")(_dequantize_shape)
+        # torch's build hash covers the source, not the header it includes, nor the torch version (two versions
+        # sharing one TORCH_EXTENSIONS_DIR keep a build each): both go in the name
+        header = hashlib.sha256(_EXACT_HEADER.read_bytes()).hexdigest()[:12]
+        name = f"{namespace}_v2_{header}_torch" + re.sub(r"\W", "_", torch.__version__)
+        load(name, sources=[str(source)], is_python_module=False, verbose=False,
+             extra_cflags=["-O3", *flags, "-ffp-contract=off", *OPENMP], extra_ldflags=OPENMP)
+        torch.library.register_fake(f"{namespace}::mm")(_mm_shape)
+        torch.library.register_fake(f"{namespace}::dequantize")(_dequantize_shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
         text = str(exc).strip().splitlines()
-        logger.warning("Could not build the GGUF kernel (%s: %s): GGUF weights multiply through the PyTorch "
+        logger.warning("Could not build the GGUF kernel for %s (%s: %s): GGUF weights multiply through the PyTorch "
                        "reference, many times slower. Install a C++ compiler and ninja (pip install ninja).",
-                       type(exc).__name__, text[0] if text else "")
+                       isa.upper(), type(exc).__name__, text[0] if text else "")
         return False
     return True
 
 
 @functools.lru_cache(maxsize=None)
+def exact_kernel() -> Optional[str]:
+    """The exact kernel that multiplies here: "avx512" (``torch.ops.optimum_ipex_spec_gguf``), "avx2"
+    (``torch.ops.optimum_ipex_spec_gguf_avx2``: the same bits, slower), or None, logged once, where neither runs (no
+    AVX2, no C++ compiler): :class:`GGUFLinear` then multiplies through :func:`reference_mm`. Decided once per
+    process (the build cached on disk); :data:`KERNEL_VARIABLE` overrides the choice.
+
+    Raises:
+        ValueError: :data:`KERNEL_VARIABLE` holds an unknown name.
+        RuntimeError: it names a kernel this CPU or build cannot run.
+    """
+    wanted = os.environ.get(KERNEL_VARIABLE, "auto").strip().lower() or "auto"
+    choices = ("auto", *EXACT_KERNELS, "reference")
+    if wanted not in choices:
+        raise ValueError(f"{KERNEL_VARIABLE}={wanted!r} is not one of {', '.join(choices)}: unset it to let the "
+                         "package pick the fastest kernel this CPU runs")
+    if wanted == "reference":
+        logger.warning("%s=reference: GGUF weights multiply through the PyTorch reference, many times slower.",
+                       KERNEL_VARIABLE)
+        return None
+    flags = _cpu_flags()
+    for isa, (_, _, _, needed) in EXACT_KERNELS.items():
+        if wanted not in ("auto", isa):
+            continue
+        missing = needed - flags
+        if not missing and _kernel_built(isa):
+            return isa
+        if wanted == isa:
+            why = f"this CPU lacks {', '.join(sorted(missing))}" if missing else "it did not build (see the log)"
+            raise RuntimeError(f"{KERNEL_VARIABLE}={isa}, but {why}: unset it, or set it to 'reference'")
+    logger.warning("The GGUF kernel needs AVX2, FMA and F16C and a C++ compiler, which this machine lacks: GGUF "
+                   "weights multiply through the PyTorch reference, many times slower.")
+    return None
+
+
 def gguf_kernel_available() -> bool:
-    """True when ``torch.ops.optimum_ipex_spec_gguf.mm`` runs here (an AVX-512 CPU, the operator built: once per
-    process, the build cached on disk). False, logged once, otherwise: :class:`GGUFLinear` then runs the reference."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
-        logger.warning("The GGUF kernel needs AVX-512 (this CPU: %s): GGUF weights multiply through the PyTorch "
-                       "reference, many times slower.", capability)
-        return False
-    return _kernel_built()
+    """True when an exact kernel runs here (:func:`exact_kernel`), False (logged once) where GGUF weights multiply
+    through the PyTorch reference."""
+    return exact_kernel() is not None
 
 
 def _cpu_flags() -> set:
@@ -224,12 +270,32 @@ def reference_mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> t
     return out.view(*x.shape[:-1], blocks.shape[0])
 
 
+def exact_mm(kernel: Optional[str], x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """``x [..., k]`` fp32 times the dequantized ``blocks`` (uint8 ``[rows, row_bytes]``) transposed -> ``[..., rows]``,
+    by the exact ``kernel`` (:func:`exact_kernel`'s names), or :func:`reference_mm` for None."""
+    if kernel == "avx512":
+        return torch.ops.optimum_ipex_spec_gguf.mm(x, blocks, qtype, k)
+    if kernel == "avx2":
+        return torch.ops.optimum_ipex_spec_gguf_avx2.mm(x, blocks, qtype, k)
+    return reference_mm(x, blocks, qtype, k)
+
+
+def exact_dequantize(kernel: Optional[str], blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """``blocks`` uint8 ``[rows, row_bytes]`` -> fp32 ``[rows, k]`` by the exact ``kernel``, or
+    :func:`reference_dequantize` for None: the same values either way."""
+    if kernel == "avx512":
+        return torch.ops.optimum_ipex_spec_gguf.dequantize(blocks, qtype, k)
+    if kernel == "avx2":
+        return torch.ops.optimum_ipex_spec_gguf_avx2.dequantize(blocks, qtype, k)
+    return reference_dequantize(blocks, qtype, k)
+
+
 # ----------------------------------------------------------------------------------------------- modules
 
 
 class GGUFLinear(torch.nn.Module):
-    """``x @ W.T + b`` with ``W`` held as GGUF blocks: ``x [..., in]`` fp32 -> ``[..., out]`` fp32. The kernel where
-    :func:`gguf_kernel_available`, else :func:`reference_mm`.
+    """``x @ W.T + b`` with ``W`` held as GGUF blocks: ``x [..., in]`` fp32 -> ``[..., out]`` fp32. The exact kernel
+    :func:`exact_kernel` picks (AVX-512 or AVX2), else :func:`reference_mm`.
 
     In the fast mode a layer of :data:`INTERLEAVED_TYPES` with a multiple of 16 rows is held once, in the fast
     kernel's interleaved layout (16 rows per vector, the same bytes rearranged; a few percent more for Q4_K and
@@ -261,8 +327,9 @@ class GGUFLinear(torch.nn.Module):
         self.block = block
         self.qtype = block.qtype
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        #: whether the kernel multiplies (decided once: a plain attribute, which torch.compile reads as a constant)
-        self.kernel = gguf_kernel_available()
+        #: the exact kernel that multiplies ("avx512", "avx2") or None (the reference): decided once, a plain
+        #: attribute, which torch.compile reads as a constant
+        self.kernel = exact_kernel()
         #: whether the fast kernel multiplies (mode "fast" where it runs this layer)
         self.fast = (mode == "fast" and block.qtype in FAST_TYPES and in_features % 64 == 0
                      and gguf_fast_available())
@@ -304,9 +371,7 @@ class GGUFLinear(torch.nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight ``[out, in]`` fp32 (a new tensor: what the blocks stand for)."""
-        if self.kernel:
-            return torch.ops.optimum_ipex_spec_gguf.dequantize(self.blocks, self.qtype, self.in_features)
-        return reference_dequantize(self.blocks, self.qtype, self.in_features)
+        return exact_dequantize(self.kernel, self.blocks, self.qtype, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Raises:
@@ -322,10 +387,8 @@ class GGUFLinear(torch.nn.Module):
             out = torch.ops.optimum_ipex_spec_gguf_vnni.mm_interleaved(x, self.groups, self.qtype, self.in_features)
         elif self.fast:
             out = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, self.row_major, self.qtype, self.in_features)
-        elif self.kernel:
-            out = torch.ops.optimum_ipex_spec_gguf.mm(x, self.row_major, self.qtype, self.in_features)
         else:
-            out = reference_mm(x, self.row_major, self.qtype, self.in_features)
+            out = exact_mm(self.kernel, x, self.row_major, self.qtype, self.in_features)
         return out if self.bias is None else out + self.bias
 
 
@@ -344,10 +407,7 @@ class GGUFEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.table.rows(ids.reshape(-1))
-        if self.table.kernel:
-            values = torch.ops.optimum_ipex_spec_gguf.dequantize(rows, self.table.qtype, self.embedding_dim)
-        else:
-            values = reference_dequantize(rows, self.table.qtype, self.embedding_dim)
+        values = exact_dequantize(self.table.kernel, rows, self.table.qtype, self.embedding_dim)
         return values.view(*ids.shape, self.embedding_dim)
 
 

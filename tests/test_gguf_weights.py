@@ -72,7 +72,19 @@ def gguf_dequantize(blocks: np.ndarray, block) -> np.ndarray:
 @pytest.fixture(scope="module")
 def kernel():
     if not gw.gguf_kernel_available():
-        pytest.skip("the GGUF kernel needs AVX-512 and a C++ compiler here; the reference path is tested below")
+        pytest.skip("the GGUF kernel needs AVX2 (or AVX-512) and a C++ compiler here; the reference path is tested "
+                    "below")
+
+
+@pytest.fixture(params=list(gw.EXACT_KERNELS))
+def isa(request):
+    """Each build of the exact kernel this CPU runs (AVX-512, AVX2), called directly."""
+    needed = gw.EXACT_KERNELS[request.param][3]
+    if not needed <= gw._cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(needed - gw._cpu_flags()))}")
+    if not gw._kernel_built(request.param):
+        pytest.fail(f"the {request.param} kernel did not build here (see the log)")
+    return request.param
 
 
 def _k_for(block) -> int:
@@ -80,12 +92,27 @@ def _k_for(block) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(TYPES))
-def test_kernel_values_are_gguf_dequantization(kernel, name):
+def test_kernel_values_are_gguf_dequantization(isa, name):
     block, rng = TYPES[name], np.random.default_rng(1)
     k = _k_for(block)
     blocks = random_blocks(block, 37, k, rng)
-    got = torch.ops.optimum_ipex_spec_gguf.dequantize(torch.from_numpy(blocks), block.qtype, k)
+    got = gw.exact_dequantize(isa, torch.from_numpy(blocks), block.qtype, k)
     assert torch.equal(got, torch.from_numpy(gguf_dequantize(blocks, block)).reshape(37, k))
+
+
+def lanes_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K].T`` summed as both exact kernels document it (csrc/gguf_gemm.cpp, gguf_gemm_avx2.cpp):
+    16 fp32 lanes, lane l a chain of fused multiply-adds over k = l, l + 16, ... from zero, then lanes 8-15 + 0-7,
+    the upper 4 + the lower 4, [0] + [2] and [1] + [3], then the two. A fused multiply-add is emulated in float64
+    (the product is exact there; the sum is rounded twice, which differs from one rounding about once in 2^29)."""
+    m, k = x.shape
+    xs, ws = x.double().view(m, 1, k // 16, 16), weight.double().view(1, -1, k // 16, 16)
+    acc = torch.zeros(m, weight.shape[0], 16, dtype=torch.float32)
+    for step in range(k // 16):
+        acc = (xs[:, :, step] * ws[:, :, step] + acc.double()).float()
+    s8 = acc[..., 8:] + acc[..., :8]
+    s4 = s8[..., 4:] + s8[..., :4]
+    return (s4[..., 0] + s4[..., 2]) + (s4[..., 1] + s4[..., 3])
 
 
 @pytest.fixture
@@ -97,28 +124,28 @@ def threads():
 
 
 @pytest.mark.parametrize("name", sorted(TYPES))
-def test_every_row_count_gives_each_row_the_same_bits(kernel, threads, name):
+def test_every_row_count_gives_each_row_the_same_bits(isa, threads, name):
     block, rng = TYPES[name], np.random.default_rng(2)
     # several 256-value passes and a partial one (896 = 3 x 256 + 128) where the block type allows it
     for k in sorted({_k_for(block), 896 if block.values == 32 else 768}):
         blocks = torch.from_numpy(random_blocks(block, 37, k, rng))
         x = torch.randn(16, k, generator=torch.Generator().manual_seed(0))
         torch.set_num_threads(1)
-        alone = torch.cat([torch.ops.optimum_ipex_spec_gguf.mm(x[m:m + 1], blocks, block.qtype, k) for m in range(16)])
+        alone = torch.cat([gw.exact_mm(isa, x[m:m + 1], blocks, block.qtype, k) for m in range(16)])
         for count in (1, 2):  # the rows of weights split between threads: no bit may change
             torch.set_num_threads(count)
             for rows in range(1, 17):
-                together = torch.ops.optimum_ipex_spec_gguf.mm(x[:rows], blocks, block.qtype, k)
+                together = gw.exact_mm(isa, x[:rows], blocks, block.qtype, k)
                 assert torch.equal(together, alone[:rows]), f"k={k}, {rows} rows, {count} threads"
         weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(37, k)
-        torch.testing.assert_close(alone, x @ weight.T, rtol=1e-4, atol=1e-4)
+        assert torch.equal(alone, lanes_reference(x, weight)), "not the kernels' documented sums"
 
 
 def test_reference_path_without_the_kernel(monkeypatch):
     block, rng = TYPES["Q4_K"], np.random.default_rng(3)
     blocks = torch.from_numpy(random_blocks(block, 9, 256, rng))
     layer = GGUFLinear(blocks, block, 256)
-    monkeypatch.setattr(layer, "kernel", False)
+    monkeypatch.setattr(layer, "kernel", None)
     monkeypatch.setattr(gw, "REFERENCE_ROWS", 4)  # several pieces of rows
     x = torch.randn(5, 256)
     weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(9, 256)
@@ -337,6 +364,55 @@ def test_sampling_over_a_gguf_target(qwen_gguf):
         torch.manual_seed(7)
         runs.append(target.generate(PROMPT, max_new_tokens=16, do_sample=True, temperature=1.0, assistant_model=draft))
     assert torch.equal(runs[0], runs[1]), "the same seed gives the same output"
+
+
+@pytest.fixture
+def force_kernel(monkeypatch):
+    """Sets OPTIMUM_IPEX_SPEC_GGUF_KERNEL for the layers built next; the choice is made again afterwards."""
+
+    def force(name):
+        monkeypatch.setenv(gw.KERNEL_VARIABLE, name)
+        gw.exact_kernel.cache_clear()
+
+    yield force
+    monkeypatch.delenv(gw.KERNEL_VARIABLE, raising=False)
+    gw.exact_kernel.cache_clear()
+
+
+def test_the_kernel_variable_picks_a_kernel_or_refuses(kernel, force_kernel, monkeypatch):
+    block = TYPES["Q4_K"]
+    blocks = torch.from_numpy(random_blocks(block, 4, 256, np.random.default_rng(5)))
+    force_kernel("reference")
+    assert gw.exact_kernel() is None and GGUFLinear(blocks, block, 256).kernel is None
+    force_kernel("AVX2 ")  # case and spaces forgiven
+    assert gw.exact_kernel() == "avx2" and GGUFLinear(blocks, block, 256).kernel == "avx2"
+    force_kernel("sse4")
+    with pytest.raises(ValueError, match="OPTIMUM_IPEX_SPEC_GGUF_KERNEL='sse4' is not one of auto, avx512, avx2"):
+        gw.exact_kernel()
+    monkeypatch.setattr(gw, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})  # a CPU without AVX-512
+    force_kernel("avx512")
+    with pytest.raises(RuntimeError, match="this CPU lacks avx512bw, avx512f: unset it"):
+        gw.exact_kernel()
+    force_kernel("auto")
+    assert gw.exact_kernel() == "avx2"
+
+
+@pytest.mark.parametrize("name", [*gw.EXACT_KERNELS, "reference"])
+def test_each_kernel_runs_a_model_and_its_speculation_exactly(qwen_gguf, force_kernel, name):
+    """Each path forced on this machine: the kernels give the default kernel's bits, so its tokens; the reference
+    (other sums) its own tokens, which speculation keeps."""
+    if name != "reference" and not gw.EXACT_KERNELS[name][3] <= gw._cpu_flags():
+        pytest.skip(f"this CPU cannot run the {name} kernel")
+    force_kernel(name)
+    target = IPEXModelForCausalLM.from_pretrained(qwen_gguf["target"].gguf_path)
+    assert all(m.kernel == (None if name == "reference" else name)
+               for m in target.model.modules() if isinstance(m, GGUFLinear))
+    alone = target.generate(PROMPT, max_new_tokens=16, do_sample=False)
+    if name != "reference":
+        assert torch.equal(alone, qwen_gguf["alone"][:, :alone.shape[1]])
+    for kind in ("int8 self-draft", "prompt lookup"):
+        got = target.generate(PROMPT, max_new_tokens=16, do_sample=False, **speculation_arguments(kind, target))
+        assert torch.equal(got, alone), kind
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])

@@ -14,17 +14,7 @@
 //       verification) 16 values at a time in registers, multiplied as they are made; for more (a prefill) whole rows
 //       into a buffer first. Weight rows are split between torch's threads, each computed by one thread.
 //
-// Block layouts (ggml's, llama.cpp ggml/src/ggml-common.h; values in gguf-py's order):
-//   Q4_0 32 values, 18 bytes: fp16 d, 16 bytes of nibbles         w = d * (q - 8)
-//   Q4_1 32 values, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
-//   Q5_0 32 values, 22 bytes: fp16 d, uint32 high bits, nibbles   w = d * (q - 16)
-//   Q8_0 32 values, 34 bytes: fp16 d, 32 int8                     w = q * d
-//   Q4_K 256 values, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-//        w = (d * sc) * q - (dmin * mn), per sub-block of 32
-//   Q5_K 256 values, 176 bytes: as Q4_K plus 32 bytes of fifth bits before the nibbles
-//   Q6_K 256 values, 210 bytes: 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, fp16 d
-//        w = (d * sc) * (q - 32), per 16 values
-//   F32 / F16: one value per block.
+// Block layouts: gguf_formats.h. gguf_gemm_avx2.cpp computes the same operators, the same bits, with AVX2.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,47 +25,11 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_formats.h"
+
 namespace {
 
-// ggml's type ids (gguf.GGMLQuantizationType)
-enum QType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-struct Format {
-  int64_t values;  // per block
-  int64_t bytes;   // per block
-};
-
-bool format_of(int64_t qtype, Format* f) {
-  switch (qtype) {
-    case F32: *f = {1, 4}; return true;
-    case F16: *f = {1, 2}; return true;
-    case Q4_0: *f = {32, 18}; return true;
-    case Q4_1: *f = {32, 20}; return true;
-    case Q5_0: *f = {32, 22}; return true;
-    case Q8_0: *f = {32, 34}; return true;
-    case Q4_K: *f = {256, 144}; return true;
-    case Q5_K: *f = {256, 176}; return true;
-    case Q6_K: *f = {256, 210}; return true;
-    default: return false;
-  }
-}
-
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);  // exact: every fp16 is an fp32
-}
-
-// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7)
-inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *mn = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
+using namespace optimum_ipex_spec_gguf_formats;
 
 // 16 floats at y: table[v[i]] for the 16 bytes at v (their low 4 bits, or bits 4..7 with high), one permute
 inline void nibbles_through(const uint8_t* v, bool high, __m512 table, float* y) {
@@ -212,16 +166,6 @@ inline void dequantize_row(const Format& f, const uint8_t* row, float* y, int64_
 // rows of weights dequantized together, and so dots that run side by side
 constexpr int kRowsN = 4;
 
-// Software prefetch of the next group of weight rows (the kRowsN rows after these, contiguous in the tensor), a
-// share of it per step of this group's loop: the hardware prefetcher alone left a decode step waiting on memory
-// (Qwen2.5-0.5B's Q5_0 layers read at 3 GB/s, against 20+ GB/s for a plain sum). A prefetch never faults, so the
-// addresses past the tensor's end that the last group asks for are harmless.
-inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t step, int64_t steps) {
-  const int64_t share = ((bytes + steps - 1) / steps + 63) / 64 * 64;
-  const char* p = reinterpret_cast<const char*>(next) + step * share;
-  for (int64_t i = 0; i < share; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-}
-
 // rows of x that share one pass over the dequantized weights
 constexpr int kRowsM = 4;
 // values of k per software prefetch share while every row of x fits one pass (a decode step, a verification)
@@ -241,10 +185,21 @@ inline void fma_chain(const float* x, int64_t ldx, const float* w, int64_t ldw, 
   }
 }
 
+// the sum of the 16 lanes in one fixed order, written out (not left to a compiler's _mm512_reduce_add_ps):
+// lanes 8-15 + lanes 0-7, then the upper 4 of those + the lower 4, then [0] + [2] and [1] + [3], then the two;
+// gguf_gemm_avx2.cpp sums its two 8-lane halves in the same order
+inline float sum_lanes(__m512 v) {
+  const __m256 s8 = _mm256_add_ps(
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), _mm512_castps512_ps256(v));
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
+
 template <int M, int R>
 inline void store(const __m512 (&acc)[kRowsM][kRowsN], float* out, int64_t ldo) {
   for (int m = 0; m < M; m++)
-    for (int r = 0; r < R; r++) out[m * ldo + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < R; r++) out[m * ldo + r] = sum_lanes(acc[m][r]);
 }
 
 inline void zero(__m512 (&acc)[kRowsM][kRowsN]) {
@@ -410,18 +365,6 @@ void row_group(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int6
   }
 }
 
-Format checked_format(const at::Tensor& blocks, int64_t qtype, int64_t K) {
-  Format f;
-  TORCH_CHECK(format_of(qtype, &f), "gguf: unsupported block type ", qtype);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "gguf: blocks must be a contiguous uint8 [rows, row_bytes] tensor");
-  TORCH_CHECK(K > 0 && K % 16 == 0 && K % f.values == 0, "gguf: K=", K, " is not a multiple of 16 and of the block's ",
-              f.values, " values");
-  TORCH_CHECK(blocks.size(1) == K / f.values * f.bytes, "gguf: a row of ", K, " values is ", K / f.values * f.bytes,
-              " bytes in this block type, got ", blocks.size(1));
-  return f;
-}
-
 template <int64_t QT>
 void dequantize_rows(const uint8_t* src, int64_t row_bytes, const Format& f, float* dst, int64_t N, int64_t K) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -456,43 +399,18 @@ void mm_rows(const float* xp, int64_t M, const uint8_t* wp, int64_t row_bytes, c
   });
 }
 
-// calls BODY<QT> for the runtime type id: one instantiation per block type
-#define GGUF_DISPATCH(qtype, BODY, ...)                      \
-  switch (qtype) {                                            \
-    case F32: BODY<F32>(__VA_ARGS__); break;                  \
-    case F16: BODY<F16>(__VA_ARGS__); break;                  \
-    case Q4_0: BODY<Q4_0>(__VA_ARGS__); break;                \
-    case Q4_1: BODY<Q4_1>(__VA_ARGS__); break;                \
-    case Q5_0: BODY<Q5_0>(__VA_ARGS__); break;                \
-    case Q8_0: BODY<Q8_0>(__VA_ARGS__); break;                \
-    case Q4_K: BODY<Q4_K>(__VA_ARGS__); break;                \
-    case Q5_K: BODY<Q5_K>(__VA_ARGS__); break;                \
-    case Q6_K: BODY<Q6_K>(__VA_ARGS__); break;                \
-    default: TORCH_CHECK(false, "gguf: unsupported block type ", qtype); \
+// the kernel's rows, for the operators' shells (gguf_formats.h)
+struct Rows {
+  template <int64_t QT>
+  static void dequantize(const uint8_t* src, int64_t row_bytes, const Format& f, float* dst, int64_t N, int64_t K) {
+    dequantize_rows<QT>(src, row_bytes, f, dst, N, K);
   }
-
-at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K) {
-  const Format f = checked_format(blocks, qtype, K);
-  const int64_t N = blocks.size(0), row_bytes = blocks.size(1);
-  at::Tensor out = at::empty({N, K}, at::kFloat);
-  GGUF_DISPATCH(qtype, dequantize_rows, blocks.data_ptr<uint8_t>(), row_bytes, f, out.data_ptr<float>(), N, K);
-  return out;
-}
-
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K) {
-  const Format f = checked_format(blocks, qtype, K);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), N = blocks.size(0), row_bytes = blocks.size(1);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, at::kFloat);
-  if (M > 0)
-    GGUF_DISPATCH(qtype, mm_rows, x.data_ptr<float>(), M, blocks.data_ptr<uint8_t>(), row_bytes, f,
-                  out.data_ptr<float>(), N, K);
-  return out.view(shape);
-}
+  template <int64_t QT>
+  static void mm(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, const Format& f, float* out,
+                 int64_t N, int64_t K) {
+    mm_rows<QT>(x, M, w, row_bytes, f, out, N, K);
+  }
+};
 
 }  // namespace
 
@@ -501,6 +419,6 @@ TORCH_LIBRARY(optimum_ipex_spec_gguf, m) {
   m.def("mm(Tensor x, Tensor blocks, int qtype, int K) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf, CPU, m) {
-  m.impl("dequantize", &dequantize);
-  m.impl("mm", &mm);
+  m.impl("dequantize", &dequantize_op<Rows>);
+  m.impl("mm", &mm_op<Rows>);
 }

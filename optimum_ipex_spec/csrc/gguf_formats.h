@@ -1,0 +1,139 @@
+// The GGUF block formats the exact kernels read (gguf_gemm.cpp for AVX-512, gguf_gemm_avx2.cpp for AVX2): ggml's
+// type ids, the size of a block, the scalar pieces of its layout, and the checks every operator makes on its
+// arguments. Needs F16C (the fp16 scales are converted with it, exactly: every fp16 is an fp32).
+//
+// Block layouts (ggml's, llama.cpp ggml/src/ggml-common.h; values in gguf-py's order):
+//   Q4_0 32 values, 18 bytes: fp16 d, 16 bytes of nibbles         w = d * (q - 8)
+//   Q4_1 32 values, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles w = d * q + m
+//   Q5_0 32 values, 22 bytes: fp16 d, uint32 high bits, nibbles   w = d * (q - 16)
+//   Q8_0 32 values, 34 bytes: fp16 d, 32 int8                     w = q * d
+//   Q4_K 256 values, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+//        w = (d * sc) * q - (dmin * mn), per sub-block of 32
+//   Q5_K 256 values, 176 bytes: as Q4_K plus 32 bytes of fifth bits before the nibbles
+//   Q6_K 256 values, 210 bytes: 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, fp16 d
+//        w = (d * sc) * (q - 32), per 16 values
+//   F32 / F16: one value per block.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace optimum_ipex_spec_gguf_formats {
+
+// ggml's type ids (gguf.GGMLQuantizationType)
+enum QType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Format {
+  int64_t values;  // per block
+  int64_t bytes;   // per block
+};
+
+inline bool format_of(int64_t qtype, Format* f) {
+  switch (qtype) {
+    case F32: *f = {1, 4}; return true;
+    case F16: *f = {1, 2}; return true;
+    case Q4_0: *f = {32, 18}; return true;
+    case Q4_1: *f = {32, 20}; return true;
+    case Q5_0: *f = {32, 22}; return true;
+    case Q8_0: *f = {32, 34}; return true;
+    case Q4_K: *f = {256, 144}; return true;
+    case Q5_K: *f = {256, 176}; return true;
+    case Q6_K: *f = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // exact: every fp16 is an fp32
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (0..7)
+inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Software prefetch of the next group of weight rows (the rows after these, contiguous in the tensor), a
+// share of it per step of this group's loop: the hardware prefetcher alone left a decode step waiting on memory
+// (Qwen2.5-0.5B's Q5_0 layers read at 3 GB/s, against 20+ GB/s for a plain sum). A prefetch never faults, so the
+// addresses past the tensor's end that the last group asks for are harmless.
+inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t step, int64_t steps) {
+  const int64_t share = ((bytes + steps - 1) / steps + 63) / 64 * 64;
+  const char* p = reinterpret_cast<const char*>(next) + step * share;
+  for (int64_t i = 0; i < share; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// the format of `qtype`, after checking that `blocks` holds rows of K values in it (an error naming the problem
+// otherwise, raised in Python as a RuntimeError before anything is read)
+inline Format checked_format(const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  Format f;
+  TORCH_CHECK(format_of(qtype, &f), "gguf: unsupported block type ", qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "gguf: blocks must be a contiguous uint8 [rows, row_bytes] tensor");
+  TORCH_CHECK(K > 0 && K % 16 == 0 && K % f.values == 0, "gguf: K=", K, " is not a multiple of 16 and of the block's ",
+              f.values, " values");
+  TORCH_CHECK(blocks.size(1) == K / f.values * f.bytes, "gguf: a row of ", K, " values is ", K / f.values * f.bytes,
+              " bytes in this block type, got ", blocks.size(1));
+  return f;
+}
+
+}  // namespace optimum_ipex_spec_gguf_formats
+
+// calls BODY<QT> for the runtime type id: one instantiation per block type
+#define GGUF_DISPATCH(qtype, BODY, ...)                      \
+  switch (qtype) {                                            \
+    case F32: BODY<F32>(__VA_ARGS__); break;                  \
+    case F16: BODY<F16>(__VA_ARGS__); break;                  \
+    case Q4_0: BODY<Q4_0>(__VA_ARGS__); break;                \
+    case Q4_1: BODY<Q4_1>(__VA_ARGS__); break;                \
+    case Q5_0: BODY<Q5_0>(__VA_ARGS__); break;                \
+    case Q8_0: BODY<Q8_0>(__VA_ARGS__); break;                \
+    case Q4_K: BODY<Q4_K>(__VA_ARGS__); break;                \
+    case Q5_K: BODY<Q5_K>(__VA_ARGS__); break;                \
+    case Q6_K: BODY<Q6_K>(__VA_ARGS__); break;                \
+    default: TORCH_CHECK(false, "gguf: unsupported block type ", qtype); \
+  }
+
+namespace optimum_ipex_spec_gguf_formats {
+
+// The two operators' shells, the same for every kernel: the arguments checked, the output made, then the rows
+// computed by the kernel's Rows::dequantize<QT>(src, row_bytes, f, dst, N, K) and
+// Rows::mm<QT>(x, M, blocks, row_bytes, f, out, N, K) (x [M, K] and out [M, N] contiguous fp32).
+template <class Rows>
+at::Tensor dequantize_op(const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  const Format f = checked_format(blocks, qtype, K);
+  const int64_t N = blocks.size(0), row_bytes = blocks.size(1);
+  at::Tensor out = at::empty({N, K}, at::kFloat);
+  GGUF_DISPATCH(qtype, Rows::template dequantize, blocks.data_ptr<uint8_t>(), row_bytes, f, out.data_ptr<float>(),
+                N, K);
+  return out;
+}
+
+template <class Rows>
+at::Tensor mm_op(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  const Format f = checked_format(blocks, qtype, K);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0), N = blocks.size(0), row_bytes = blocks.size(1);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, at::kFloat);
+  if (M > 0)
+    GGUF_DISPATCH(qtype, Rows::template mm, x.data_ptr<float>(), M, blocks.data_ptr<uint8_t>(), row_bytes, f,
+                  out.data_ptr<float>(), N, K);
+  return out.view(shape);
+}
+
+}  // namespace optimum_ipex_spec_gguf_formats

@@ -1,0 +1,241 @@
+// The exact GGUF product for CPUs with AVX2, FMA and F16C but no AVX-512 (most AMD CPUs before Zen 4, Intel client
+// CPUs since Alder Lake): the operators of gguf_gemm.cpp, in namespace optimum_ipex_spec_gguf_avx2, with the same bits.
+//
+//   dequantize(blocks uint8 [N, row_bytes], qtype, K) -> fp32 [N, K]
+//       each value exactly gguf-py's (gguf.quants.dequantize): the same fp32 products and sums, never contracted
+//       (built with -ffp-contract=off)
+//   mm(x fp32 [M, K], blocks uint8 [N, row_bytes], qtype, K) -> fp32 [M, N]
+//       out[m, n] = sum_k x[m, k] * w[n, k] as the AVX-512 kernel computes it: 16 lanes (here two 8-float registers,
+//       lanes 0-7 and 8-15), lane l a chain of fused multiply-adds over k = l, l + 16, ... from zero, then the
+//       16 lanes summed in gguf_gemm.cpp's fixed order. The lanes' products and sums are the same IEEE operations, so
+//       every output has the same bits as the AVX-512 kernel's, whatever M is (a decode step, a verification, a
+//       prefill): speculative decoding over a quantized target stays exact, and a model gives the same tokens on an
+//       AVX2 machine as on an AVX-512 one.
+//
+// Each group of 4 weight rows is dequantized 256 values at a time (one K-quant super-block, or 8 blocks of 32) into a
+// buffer in L1, once for all the rows of x, while a share of the next group is prefetched; the accumulators of every
+// row of x stay in memory between these pieces (loading and storing a lane's sum does not change it). Weight rows
+// are split between torch's threads, each computed by one thread. Block layouts: gguf_formats.h.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gguf_formats.h"
+
+namespace {
+
+using namespace optimum_ipex_spec_gguf_formats;
+
+// the 8 bytes at p, zero-extended (or sign-extended, for int8 codes) to 8 int32 lanes
+inline __m256i eight(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i eight_signed(const uint8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+// the low (high = false) or high nibbles of the 8 bytes at p
+inline __m256i nibbles(const uint8_t* p, bool high) {
+  const __m256i q = eight(p);
+  return high ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(0x0F));
+}
+// bit `shift` of each of the 8 bytes at p, moved to bit 4 (a 5-bit code's fifth bit)
+inline __m256i fifth_bits(const uint8_t* p, int shift) {
+  return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(eight(p), shift), _mm256_set1_epi32(1)), 4);
+}
+// scale * (q + offset) for 8 integer codes: one fp32 product, as gguf-py makes each value
+inline __m256 scaled(__m256i q, int offset, __m256 scale) {
+  return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(q, _mm256_set1_epi32(offset))));
+}
+
+// one block of `QT` at b -> its Format::values values at y, each exactly as gguf-py computes it (the same fp32
+// products and sums, 8 values a vector)
+template <int64_t QT>
+__attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, float* y) {
+  switch (QT) {
+    case F32:
+      std::memcpy(y, b, 4);
+      return;
+    case F16:
+      y[0] = half(b);
+      return;
+    case Q4_0:    // d * (q - 8)
+    case Q4_1: {  // d * q + m
+      const __m256 d = _mm256_set1_ps(half(b));
+      const uint8_t* qs = b + (QT == Q4_1 ? 4 : 2);
+      for (int c = 0; c < 4; c++) {  // values 8c..8c+7: low nibbles of bytes 0-15, then high
+        __m256 v = scaled(nibbles(qs + 8 * (c % 2), c >= 2), QT == Q4_0 ? -8 : 0, d);
+        if (QT == Q4_1) v = _mm256_add_ps(v, _mm256_set1_ps(half(b + 2)));
+        _mm256_storeu_ps(y + 8 * c, v);
+      }
+      return;
+    }
+    case Q5_0: {  // d * (q - 16), q = nibble | fifth bit << 4 (bit j of the 32 for value j)
+      const __m256 d = _mm256_set1_ps(half(b));
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const __m256i bit = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      for (int c = 0; c < 4; c++) {
+        const __m256i shift = _mm256_add_epi32(bit, _mm256_set1_epi32(8 * c));
+        const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh)), shift),
+                                               _mm256_set1_epi32(1));
+        const __m256i q = _mm256_or_si256(nibbles(b + 6 + 8 * (c % 2), c >= 2), _mm256_slli_epi32(fifth, 4));
+        _mm256_storeu_ps(y + 8 * c, scaled(q, -16, d));
+      }
+      return;
+    }
+    case Q8_0: {  // q * d
+      const __m256 d = _mm256_set1_ps(half(b));
+      for (int c = 0; c < 4; c++) _mm256_storeu_ps(y + 8 * c, scaled(eight_signed(b + 2 + 8 * c), 0, d));
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {  // (d * sc) * q - dmin * mn per sub-block of 32; Q5_K: q = nibble | fifth bit << 4
+      const float d = half(b), dmin = half(b + 2);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (QT == Q5_K ? 48 : 16);
+      for (int g = 0; g < 8; g++) {
+        int sc, mn;
+        scale_min_k4(b + 4, g, &sc, &mn);
+        const __m256 d1 = _mm256_set1_ps(d * static_cast<float>(sc));
+        const __m256 m1 = _mm256_set1_ps(dmin * static_cast<float>(mn));
+        for (int c = 0; c < 4; c++) {
+          __m256i q = nibbles(qs + 32 * (g / 2) + 8 * c, g % 2);
+          if (QT == Q5_K) q = _mm256_or_si256(q, fifth_bits(qh + 8 * c, g));
+          _mm256_storeu_ps(y + 32 * g + 8 * c, _mm256_sub_ps(scaled(q, 0, d1), m1));
+        }
+      }
+      return;
+    }
+    case Q6_K: {  // (d * sc) * (q - 32) per 16 values, q = 4 low bits | 2 high bits << 4
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const float d = half(b + 208);
+      for (int i = 0; i < 16; i++) {  // 16 values each: half h, quarter r, 16 of its 32
+        const int h = i / 8, r = (i % 8) / 2, part = i % 2;
+        const __m256 scale = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + i])));
+        for (int c = 0; c < 2; c++) {
+          const __m256i low = nibbles(ql + 64 * h + 32 * (r % 2) + 16 * part + 8 * c, r >= 2);
+          const __m256i top = _mm256_and_si256(_mm256_srli_epi32(eight(qh + 32 * h + 16 * part + 8 * c), 2 * r),
+                                               _mm256_set1_epi32(3));
+          _mm256_storeu_ps(y + 16 * i + 8 * c, scaled(_mm256_or_si256(low, _mm256_slli_epi32(top, 4)), -32, scale));
+        }
+      }
+      return;
+    }
+  }
+}
+
+// values of k per piece of a weight row dequantized at a time (a K-quant super-block, 8 blocks of 32)
+constexpr int64_t kPiece = 256;
+// weight rows dequantized together (the outputs computed side by side)
+constexpr int kRows = 4;
+
+// k0..k1 (a multiple of the block's values) of `row` -> y
+template <int64_t QT>
+inline void dequantize_piece(const uint8_t* row, const Format& f, int64_t k0, int64_t k1, float* y) {
+  if (QT == F32) {
+    std::memcpy(y, row + 4 * k0, 4 * (k1 - k0));
+  } else if (QT == F16) {
+    for (int64_t k = k0; k < k1; k += 8)
+      _mm256_storeu_ps(y + (k - k0), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k))));
+  } else {
+    for (int64_t blk = k0 / f.values; blk < k1 / f.values; blk++)
+      dequantize_block<QT>(row + blk * f.bytes, y + (blk * f.values - k0));
+  }
+}
+
+// 16 lanes as the AVX-512 kernel holds them in one register: lanes 0-7, lanes 8-15
+struct Lanes {
+  __m256 lo, hi;
+};
+
+// the 16 lanes summed in gguf_gemm.cpp's order (sum_lanes there): 8-15 + 0-7, upper 4 + lower 4, [0] + [2] and
+// [1] + [3], then the two
+inline float sum_lanes(const Lanes& a) {
+  const __m256 s8 = _mm256_add_ps(a.hi, a.lo);
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
+
+// acc[r] += x[0:n] * w[r][0:n] lane by lane, 16 values a step; w rows kPiece apart
+template <int R>
+inline void fma_piece(const float* x, const float* w, int64_t n, Lanes* acc) {
+  Lanes a[R];
+  for (int r = 0; r < R; r++) a[r] = acc[r];
+  for (int64_t k = 0; k < n; k += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    for (int r = 0; r < R; r++) {
+      a[r].lo = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + r * kPiece + k), a[r].lo);
+      a[r].hi = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + r * kPiece + k + 8), a[r].hi);
+    }
+  }
+  for (int r = 0; r < R; r++) acc[r] = a[r];
+}
+
+template <int64_t QT, int R>
+void row_group(const float* x, int64_t M, const uint8_t* rows, int64_t row_bytes, const Format& f, int64_t K,
+               float* w, Lanes* acc, float* out, int64_t ldo) {
+  const Lanes zero{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < M * R; i++) acc[i] = zero;
+  const int64_t pieces = (K + kPiece - 1) / kPiece;
+  for (int64_t k0 = 0; k0 < K; k0 += kPiece) {
+    prefetch_share(rows + R * row_bytes, kRows * row_bytes, k0 / kPiece, pieces);
+    const int64_t k1 = k0 + kPiece < K ? k0 + kPiece : K;
+    for (int r = 0; r < R; r++) dequantize_piece<QT>(rows + r * row_bytes, f, k0, k1, w + r * kPiece);
+    for (int64_t m = 0; m < M; m++) fma_piece<R>(x + m * K + k0, w, k1 - k0, acc + m * R);
+  }
+  for (int64_t m = 0; m < M; m++)
+    for (int r = 0; r < R; r++) out[m * ldo + r] = sum_lanes(acc[m * R + r]);
+}
+
+// the kernel's rows, for the operators' shells (gguf_formats.h)
+struct Rows {
+  template <int64_t QT>
+  static void dequantize(const uint8_t* src, int64_t row_bytes, const Format& f, float* dst, int64_t N, int64_t K) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; n++) dequantize_piece<QT>(src + n * row_bytes, f, 0, K, dst + n * K);
+    });
+  }
+
+  template <int64_t QT>
+  static void mm(const float* x, int64_t M, const uint8_t* blocks, int64_t row_bytes, const Format& f, float* out,
+                 int64_t N, int64_t K) {
+    const int64_t groups = (N + kRows - 1) / kRows;
+    at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> w(kRows * kPiece);
+      std::vector<Lanes> acc(M * kRows);
+      std::vector<float> tile(M * kRows);
+      for (int64_t g = begin; g < end; g++) {
+        const int64_t n0 = g * kRows;
+        const int R = static_cast<int>(N - n0 < kRows ? N - n0 : kRows);
+        const uint8_t* rows = blocks + n0 * row_bytes;
+        switch (R) {
+          case 4: row_group<QT, 4>(x, M, rows, row_bytes, f, K, w.data(), acc.data(), tile.data(), kRows); break;
+          case 3: row_group<QT, 3>(x, M, rows, row_bytes, f, K, w.data(), acc.data(), tile.data(), kRows); break;
+          case 2: row_group<QT, 2>(x, M, rows, row_bytes, f, K, w.data(), acc.data(), tile.data(), kRows); break;
+          default: row_group<QT, 1>(x, M, rows, row_bytes, f, K, w.data(), acc.data(), tile.data(), kRows);
+        }
+        for (int64_t m = 0; m < M; m++)
+          for (int r = 0; r < R; r++) out[m * N + n0 + r] = tile[m * kRows + r];
+      }
+    });
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY(optimum_ipex_spec_gguf_avx2, m) {
+  m.def("dequantize(Tensor blocks, int qtype, int K) -> Tensor");
+  m.def("mm(Tensor x, Tensor blocks, int qtype, int K) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf_avx2, CPU, m) {
+  m.impl("dequantize", &dequantize_op<Rows>);
+  m.impl("mm", &mm_op<Rows>);
+}
