@@ -64,17 +64,8 @@ BLOCK_TYPES: Dict[int, BlockType] = {t.qtype: t for t in (
 #: weight rows the reference path dequantizes at a time (bounds its temporary fp32 copy)
 REFERENCE_ROWS = 1024
 
-_SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.cpp"
-_AVX2_SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm_avx2.cpp"
-#: what the exact sources include (not in torch's build hash, so in the extension's name)
-_EXACT_HEADER = Path(__file__).parent / "csrc" / "gguf_formats.h"
-_FAST_SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                      for name in ("gguf_gemm_vnni.cpp", "gguf_interleaved_vnni.cpp"))
-#: what the fast sources include (not in torch's build hash, so in the extension's name)
-_FAST_HEADER = Path(__file__).parent / "csrc" / "gguf_vnni_activations.h"
-
 #: how a :class:`GGUFLinear` multiplies: "exact" (fp32 activations times the exact dequantized weights) or "fast"
-#: (activations rounded to int8 per block, integer dot products with AVX512-VNNI, as llama.cpp does: its own outputs)
+#: (activations rounded to int8 per block, integer dot products, as llama.cpp does: its own outputs)
 MODES = ("exact", "fast")
 #: block types the fast kernel runs (F16 / F32 tensors, and rows not a multiple of 64 values, stay exact)
 FAST_TYPES = (2, 3, 6, 8, 12, 13, 14)
@@ -103,40 +94,81 @@ def row_bytes(block: BlockType, k: int) -> int:
 # ----------------------------------------------------------------------------------------------- the kernel
 
 
-#: the exact kernel's builds, best first: instruction set -> (source, operator namespace, compiler flags, CPU flags)
+_CSRC = Path(__file__).parent / "csrc"
+
+
+@dataclass(frozen=True)
+class Build:
+    """One C++ extension of the GGUF kernels: its sources, the header they include (not in torch's build hash, so
+    its hash goes in the extension's name), the operator namespace it registers, compiler flags, the CPU flags (as
+    /proc/cpuinfo names them) it needs, and the operators' shape functions for torch.compile."""
+
+    sources: tuple
+    header: str
+    namespace: str
+    cflags: tuple
+    cpu_flags: frozenset
+    fakes: tuple  # (operator, shape function name)
+
+
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+#: the exact kernel's builds, best first, by instruction set
 EXACT_KERNELS = {
-    "avx512": (_SOURCE, "optimum_ipex_spec_gguf", ["-mavx512f", "-mavx512bw", "-mfma", "-mf16c"],
-               {"avx512f", "avx512bw", "fma", "f16c"}),
-    "avx2": (_AVX2_SOURCE, "optimum_ipex_spec_gguf_avx2", ["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+    "avx512": Build(("gguf_gemm.cpp",), "gguf_formats.h", "optimum_ipex_spec_gguf",
+                    ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c"), frozenset({"avx512f", "avx512bw", "fma", "f16c"}),
+                    (("mm", "_mm_shape"), ("dequantize", "_dequantize_shape"))),
+    "avx2": Build(("gguf_gemm_avx2.cpp",), "gguf_formats.h", "optimum_ipex_spec_gguf_avx2", _AVX2_FLAGS,
+                  frozenset({"avx2", "fma", "f16c"}), (("mm", "_mm_shape"), ("dequantize", "_dequantize_shape"))),
 }
-#: the environment variable that picks the exact kernel: "auto" (the default: the best one this CPU runs), one of
-#: :data:`EXACT_KERNELS`, or "reference" (the PyTorch reference); tests use it to run each path on one machine
+#: the fast mode's builds, best first, by instruction set ("avx512": AVX512-VNNI, with the interleaved layout)
+FAST_KERNELS = {
+    "avx512": Build(("gguf_gemm_vnni.cpp", "gguf_interleaved_vnni.cpp"), "gguf_vnni_activations.h",
+                    "optimum_ipex_spec_gguf_vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
+                                                    "-mf16c"),
+                    frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"}),
+                    (("mm", "_mm_shape"), ("mm_interleaved", "_mm_interleaved_shape"),
+                     ("deinterleave", "_deinterleave_shape"))),
+    "avx2": Build(("gguf_fast_avx2.cpp",), "gguf_formats.h", "optimum_ipex_spec_gguf_fast_avx2", _AVX2_FLAGS,
+                  frozenset({"avx2", "fma", "f16c"}), (("mm", "_mm_shape"),)),
+}
+#: the environment variable that picks the kernels: "auto" (the default: the best ones this CPU runs), "avx512",
+#: "avx2" (the exact kernel, and the fast mode's, of that instruction set), or "reference" (the PyTorch reference, no
+#: fast mode); tests use it to run each path on one machine
 KERNEL_VARIABLE = "OPTIMUM_IPEX_SPEC_GGUF_KERNEL"
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_built(isa: str) -> bool:
-    source, namespace, flags, _ = EXACT_KERNELS[isa]
-    logger.info("Loading the GGUF kernel for %s (built once per machine and torch, about 20-40 s; cached in "
-                "TORCH_EXTENSIONS_DIR)...", isa.upper())
+def _built(build: Build) -> bool:
+    """Builds (once per machine and torch: cached in TORCH_EXTENSIONS_DIR) and loads ``build``; False, logged, where
+    it cannot (no compiler or ninja, a build error)."""
+    logger.info("Loading the GGUF kernel %s (built once per machine and torch, about 20-40 s; cached in "
+                "TORCH_EXTENSIONS_DIR)...", build.namespace)
     try:
         from torch.utils.cpp_extension import load
 
-        # torch's build hash covers the source, not the header it includes, nor the torch version (two versions
-        # sharing one TORCH_EXTENSIONS_DIR keep a build each): both go in the name
-        header = hashlib.sha256(_EXACT_HEADER.read_bytes()).hexdigest()[:12]
-        name = f"{namespace}_v2_{header}_torch" + re.sub(r"\W", "_", torch.__version__)
-        load(name, sources=[str(source)], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", *flags, "-ffp-contract=off", *OPENMP], extra_ldflags=OPENMP)
-        torch.library.register_fake(f"{namespace}::mm")(_mm_shape)
-        torch.library.register_fake(f"{namespace}::dequantize")(_dequantize_shape)
+        # the header's hash and the torch version (two versions sharing one TORCH_EXTENSIONS_DIR keep a build each)
+        # go in the name
+        header = hashlib.sha256((_CSRC / build.header).read_bytes()).hexdigest()[:12]
+        name = f"{build.namespace}_v2_{header}_torch" + re.sub(r"\W", "_", torch.__version__)
+        load(name, sources=[str(_CSRC / source) for source in build.sources], is_python_module=False, verbose=False,
+             extra_cflags=["-O3", *build.cflags, "-ffp-contract=off", *OPENMP], extra_ldflags=OPENMP)
+        for operator, shape in build.fakes:
+            torch.library.register_fake(f"{build.namespace}::{operator}")(globals()[shape])
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
         text = str(exc).strip().splitlines()
-        logger.warning("Could not build the GGUF kernel for %s (%s: %s): GGUF weights multiply through the PyTorch "
-                       "reference, many times slower. Install a C++ compiler and ninja (pip install ninja).",
-                       isa.upper(), type(exc).__name__, text[0] if text else "")
+        logger.warning("Could not build the GGUF kernel %s (%s: %s). Install a C++ compiler and ninja (pip install "
+                       "ninja).", build.namespace, type(exc).__name__, text[0] if text else "")
         return False
     return True
+
+
+def _wanted_kernel() -> str:
+    wanted = os.environ.get(KERNEL_VARIABLE, "auto").strip().lower() or "auto"
+    choices = ("auto", *EXACT_KERNELS, "reference")
+    if wanted not in choices:
+        raise ValueError(f"{KERNEL_VARIABLE}={wanted!r} is not one of {', '.join(choices)}: unset it to let the "
+                         "package pick the fastest kernel this CPU runs")
+    return wanted
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,21 +182,17 @@ def exact_kernel() -> Optional[str]:
         ValueError: :data:`KERNEL_VARIABLE` holds an unknown name.
         RuntimeError: it names a kernel this CPU or build cannot run.
     """
-    wanted = os.environ.get(KERNEL_VARIABLE, "auto").strip().lower() or "auto"
-    choices = ("auto", *EXACT_KERNELS, "reference")
-    if wanted not in choices:
-        raise ValueError(f"{KERNEL_VARIABLE}={wanted!r} is not one of {', '.join(choices)}: unset it to let the "
-                         "package pick the fastest kernel this CPU runs")
+    wanted = _wanted_kernel()
     if wanted == "reference":
         logger.warning("%s=reference: GGUF weights multiply through the PyTorch reference, many times slower.",
                        KERNEL_VARIABLE)
         return None
     flags = _cpu_flags()
-    for isa, (_, _, _, needed) in EXACT_KERNELS.items():
+    for isa, build in EXACT_KERNELS.items():
         if wanted not in ("auto", isa):
             continue
-        missing = needed - flags
-        if not missing and _kernel_built(isa):
+        missing = build.cpu_flags - flags
+        if not missing and _built(build):
             return isa
         if wanted == isa:
             why = f"this CPU lacks {', '.join(sorted(missing))}" if missing else "it did not build (see the log)"
@@ -180,6 +208,34 @@ def gguf_kernel_available() -> bool:
     return exact_kernel() is not None
 
 
+@functools.lru_cache(maxsize=None)
+def fast_kernel() -> Optional[str]:
+    """The fast mode's kernel here: "avx512" (AVX512-VNNI, ``torch.ops.optimum_ipex_spec_gguf_vnni``, layers held
+    interleaved), "avx2" (``torch.ops.optimum_ipex_spec_gguf_fast_avx2``: the same integer sums, the fp32 sums in
+    another order), or None, logged once: the fast mode then multiplies as the exact one does. Decided once per process;
+    :data:`KERNEL_VARIABLE` overrides it ("reference": None).
+
+    Raises:
+        ValueError: :data:`KERNEL_VARIABLE` holds an unknown name.
+    """
+    wanted = _wanted_kernel()
+    if wanted == "reference":
+        return None
+    flags = _cpu_flags()
+    for isa, build in FAST_KERNELS.items():
+        if wanted in ("auto", isa) and build.cpu_flags <= flags and _built(build):
+            return isa
+    missing = FAST_KERNELS[wanted if wanted != "auto" else "avx2"].cpu_flags - flags
+    why = f"needs {', '.join(sorted(missing))}, which this CPU lacks" if missing else "kernel did not build (see the log)"
+    logger.warning("The fast GGUF mode %s: GGUF weights multiply in the exact mode.", why)
+    return None
+
+
+def gguf_fast_available() -> bool:
+    """True when the fast mode has a kernel here (:func:`fast_kernel`)."""
+    return fast_kernel() is not None
+
+
 def _cpu_flags() -> set:
     try:
         with open("/proc/cpuinfo") as f:
@@ -189,37 +245,6 @@ def _cpu_flags() -> set:
     except OSError:
         pass
     return set()
-
-
-@functools.lru_cache(maxsize=None)
-def gguf_fast_available() -> bool:
-    """True when the fast kernel (``torch.ops.optimum_ipex_spec_gguf_vnni.mm``) runs here: a CPU with AVX512-VNNI
-    (and BW, VL) and the operator built (once per process, cached on disk). False, logged once, otherwise: the fast
-    mode then multiplies as the exact one does."""
-    needed = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"}
-    missing = needed - _cpu_flags()
-    if missing:
-        logger.warning("The fast GGUF mode needs %s, which this CPU lacks: GGUF weights multiply in the exact mode.",
-                       ", ".join(sorted(missing)))
-        return False
-    try:
-        from torch.utils.cpp_extension import load
-
-        # torch's build hash covers the sources, not the header they include: its hash goes in the name
-        header = hashlib.sha256(_FAST_HEADER.read_bytes()).hexdigest()[:12]
-        name = f"optimum_ipex_spec_gguf_vnni_v2_{header}_torch" + re.sub(r"\W", "_", torch.__version__)
-        load(name, sources=[str(source) for source in _FAST_SOURCES], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c",
-                           "-ffp-contract=off", *OPENMP], extra_ldflags=OPENMP)
-        torch.library.register_fake("optimum_ipex_spec_gguf_vnni::mm")(_mm_shape)
-        torch.library.register_fake("optimum_ipex_spec_gguf_vnni::mm_interleaved")(_mm_interleaved_shape)
-        torch.library.register_fake("optimum_ipex_spec_gguf_vnni::deinterleave")(_deinterleave_shape)
-    except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
-        text = str(exc).strip().splitlines()
-        logger.warning("Could not build the fast GGUF kernel (%s: %s): GGUF weights multiply in the exact mode.",
-                       type(exc).__name__, text[0] if text else "")
-        return False
-    return True
 
 
 def _mm_shape(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -308,7 +333,7 @@ class GGUFLinear(torch.nn.Module):
         in_features: values per row.
         bias: fp32 ``[out]`` or None.
         mode: "exact" or "fast" (:data:`MODES`); "fast" multiplies exactly where the fast kernel cannot run this
-            layer (:data:`FAST_TYPES`, rows of a multiple of 64 values, :func:`gguf_fast_available`).
+            layer (:data:`FAST_TYPES`, rows of a multiple of 64 values, :func:`fast_kernel`).
 
     Raises:
         GGUFError: ``blocks`` is not uint8 ``[out, row_bytes(block, in_features)]``.
@@ -330,11 +355,14 @@ class GGUFLinear(torch.nn.Module):
         #: the exact kernel that multiplies ("avx512", "avx2") or None (the reference): decided once, a plain
         #: attribute, which torch.compile reads as a constant
         self.kernel = exact_kernel()
-        #: whether the fast kernel multiplies (mode "fast" where it runs this layer)
-        self.fast = (mode == "fast" and block.qtype in FAST_TYPES and in_features % 64 == 0
-                     and gguf_fast_available())
+        #: the fast kernel that multiplies ("avx512", "avx2": mode "fast" where one runs this layer) or None
+        self.fast_kernel = (fast_kernel() if mode == "fast" and block.qtype in FAST_TYPES and in_features % 64 == 0
+                            else None)
+        #: whether a fast kernel multiplies
+        self.fast = self.fast_kernel is not None
         #: whether the layer is held in the interleaved layout (``groups``) instead of row-major ``blocks``
-        self.interleaved = self.fast and block.qtype in INTERLEAVED_TYPES and self.out_features % 16 == 0
+        self.interleaved = (self.fast_kernel == "avx512" and block.qtype in INTERLEAVED_TYPES
+                            and self.out_features % 16 == 0)
         if self.interleaved:
             groups = torch.ops.optimum_ipex_spec_gguf_vnni.interleave(blocks.contiguous(), self.qtype, in_features)
             self.register_buffer("row_major", None, persistent=False)
@@ -385,8 +413,10 @@ class GGUFLinear(torch.nn.Module):
                              f"{tuple(x.shape)}")
         if self.interleaved:
             out = torch.ops.optimum_ipex_spec_gguf_vnni.mm_interleaved(x, self.groups, self.qtype, self.in_features)
-        elif self.fast:
+        elif self.fast_kernel == "avx512":
             out = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, self.row_major, self.qtype, self.in_features)
+        elif self.fast_kernel == "avx2":
+            out = torch.ops.optimum_ipex_spec_gguf_fast_avx2.mm(x, self.row_major, self.qtype, self.in_features)
         else:
             out = exact_mm(self.kernel, x, self.row_major, self.qtype, self.in_features)
         return out if self.bias is None else out + self.bias

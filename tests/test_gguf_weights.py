@@ -79,10 +79,10 @@ def kernel():
 @pytest.fixture(params=list(gw.EXACT_KERNELS))
 def isa(request):
     """Each build of the exact kernel this CPU runs (AVX-512, AVX2), called directly."""
-    needed = gw.EXACT_KERNELS[request.param][3]
-    if not needed <= gw._cpu_flags():
-        pytest.skip(f"this CPU lacks {', '.join(sorted(needed - gw._cpu_flags()))}")
-    if not gw._kernel_built(request.param):
+    build = gw.EXACT_KERNELS[request.param]
+    if not build.cpu_flags <= gw._cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(build.cpu_flags - gw._cpu_flags()))}")
+    if not gw._built(build):
         pytest.fail(f"the {request.param} kernel did not build here (see the log)")
     return request.param
 
@@ -401,7 +401,7 @@ def test_the_kernel_variable_picks_a_kernel_or_refuses(kernel, force_kernel, mon
 def test_each_kernel_runs_a_model_and_its_speculation_exactly(qwen_gguf, force_kernel, name):
     """Each path forced on this machine: the kernels give the default kernel's bits, so its tokens; the reference
     (other sums) its own tokens, which speculation keeps."""
-    if name != "reference" and not gw.EXACT_KERNELS[name][3] <= gw._cpu_flags():
+    if name != "reference" and not gw.EXACT_KERNELS[name].cpu_flags <= gw._cpu_flags():
         pytest.skip(f"this CPU cannot run the {name} kernel")
     force_kernel(name)
     target = IPEXModelForCausalLM.from_pretrained(qwen_gguf["target"].gguf_path)
@@ -492,7 +492,25 @@ def test_a_config_that_does_not_describe_the_file_is_refused(kernel, tiny_gguf, 
 @pytest.fixture(scope="module")
 def fast_kernel(kernel):
     if not gw.gguf_fast_available():
-        pytest.skip("the fast GGUF mode needs AVX512-VNNI here")
+        pytest.skip("the fast GGUF mode needs AVX2 (or AVX512-VNNI) and a C++ compiler here")
+
+
+@pytest.fixture(scope="module")
+def vnni_kernel(fast_kernel):
+    """The interleaved layout: the AVX512-VNNI fast kernel's."""
+    if gw.fast_kernel() != "avx512":
+        pytest.skip("the interleaved layout is the AVX512-VNNI kernel's; this CPU lacks VNNI")
+
+
+@pytest.fixture(params=list(gw.FAST_KERNELS))
+def fast_mm(request):
+    """Each build of the fast kernel this CPU runs (AVX512-VNNI, AVX2), as ``mm(x, blocks, qtype, k)``."""
+    build = gw.FAST_KERNELS[request.param]
+    if not build.cpu_flags <= gw._cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(build.cpu_flags - gw._cpu_flags()))}")
+    if not gw._built(build):
+        pytest.fail(f"the {request.param} fast kernel did not build here (see the log)")
+    return getattr(torch.ops, build.namespace).mm
 
 
 def _fast_reference(x: torch.Tensor, blocks: np.ndarray, block) -> torch.Tensor:
@@ -511,24 +529,25 @@ def _fast_reference(x: torch.Tensor, blocks: np.ndarray, block) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
-def test_fast_mode_is_int8_activations_times_the_weights(fast_kernel, name):
+def test_fast_mode_is_int8_activations_times_the_weights(fast_mm, threads, name):
     block, rng = TYPES[name], np.random.default_rng(5)
     k = 512
     blocks = random_blocks(block, 37, k, rng)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
-    got = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, torch.from_numpy(blocks), block.qtype, k)
+    got = fast_mm(x, torch.from_numpy(blocks), block.qtype, k)
     torch.testing.assert_close(got.double(), _fast_reference(x, blocks, block), rtol=1e-4, atol=1e-4)
     exact = x.double() @ torch.from_numpy(gguf_dequantize(blocks, block)).reshape(37, k).double().T
     assert float((got.double() - exact).norm() / exact.norm()) < 2e-2, "int8 activations: about 1% of error at most"
-    alone = torch.cat([torch.ops.optimum_ipex_spec_gguf_vnni.mm(x[m:m + 1], torch.from_numpy(blocks), block.qtype, k)
-                       for m in range(16)])
-    for rows in range(1, 17):
-        assert torch.equal(torch.ops.optimum_ipex_spec_gguf_vnni.mm(x[:rows], torch.from_numpy(blocks), block.qtype, k),
-                           alone[:rows]), f"{rows} rows"
+    torch.set_num_threads(1)
+    alone = torch.cat([fast_mm(x[m:m + 1], torch.from_numpy(blocks), block.qtype, k) for m in range(16)])
+    for count in (1, 2):  # the rows of weights split between threads: no bit may change
+        torch.set_num_threads(count)
+        for rows in range(1, 17):
+            assert torch.equal(fast_mm(x[:rows], torch.from_numpy(blocks), block.qtype, k), alone[:rows]), (rows, count)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_the_interleaved_layout_holds_the_same_blocks_and_multiplies_as_the_fast_mode(fast_kernel, threads, name):
+def test_the_interleaved_layout_holds_the_same_blocks_and_multiplies_as_the_fast_mode(vnni_kernel, threads, name):
     block, rng, ops = TYPES[name], np.random.default_rng(7), torch.ops.optimum_ipex_spec_gguf_vnni
     group_bytes = {"Q4_K": 2368, "Q6_K": 3392}.get(name, 16 * block.bytes)  # per 16 rows and block (super-block)
     for rows, k in ((48, 512), (16, 768 if block.values == 256 else 192)):
@@ -550,7 +569,7 @@ def test_the_interleaved_layout_holds_the_same_blocks_and_multiplies_as_the_fast
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_a_fast_layer_is_held_interleaved_and_looks_up_rows(fast_kernel, name):
+def test_a_fast_layer_is_held_interleaved_and_looks_up_rows(vnni_kernel, name):
     block, rng = TYPES[name], np.random.default_rng(8)
     blocks = torch.from_numpy(random_blocks(block, 64, 256, rng))
     layer = GGUFLinear(blocks, block, 256, mode="fast")
@@ -565,7 +584,7 @@ def test_a_fast_layer_is_held_interleaved_and_looks_up_rows(fast_kernel, name):
                                                                                        256))
 
 
-def test_a_fast_layer_stays_row_major_where_it_cannot_interleave(fast_kernel):
+def test_a_fast_layer_stays_row_major_where_it_cannot_interleave(vnni_kernel):
     block, rng = TYPES["Q6_K"], np.random.default_rng(8)
     blocks = torch.from_numpy(random_blocks(block, 64, 256, rng))
     assert not GGUFLinear(blocks[:40], block, 256, mode="fast").interleaved, "40 rows: not a multiple of 16"
@@ -574,7 +593,7 @@ def test_a_fast_layer_stays_row_major_where_it_cannot_interleave(fast_kernel):
                           mode="fast").interleaved, "Q5_K stays row-major"
 
 
-def test_the_interleaved_operators_refuse_what_they_cannot_hold(fast_kernel):
+def test_the_interleaved_operators_refuse_what_they_cannot_hold(vnni_kernel):
     ops, rng = torch.ops.optimum_ipex_spec_gguf_vnni, np.random.default_rng(9)
     q4k = torch.from_numpy(random_blocks(TYPES["Q4_K"], 40, 256, rng))
     with pytest.raises(RuntimeError, match=r"contiguous uint8 \[16 n, 144\]"):
@@ -590,7 +609,7 @@ def test_the_interleaved_operators_refuse_what_they_cannot_hold(fast_kernel):
         ops.mm_interleaved(torch.randn(1, 512), groups, 12, 512)
 
 
-def test_in_the_fast_mode_an_untied_table_stays_as_the_files_rows(fast_kernel, tiny_gguf):
+def test_in_the_fast_mode_an_untied_table_stays_as_the_files_rows(vnni_kernel, tiny_gguf):
     folder, _ = tiny_gguf("qwen2")  # untied: a Q8_0 table and a Q6_K head
     target = IPEXModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", gguf_mode="fast")
     table, head = target.model.model.embed_tokens.table, target.model.lm_head
@@ -617,11 +636,11 @@ def test_speculation_over_a_fast_mode_target_is_lossless(fast_kernel, qwen_gguf,
     assert torch.equal(target.generate(PROMPT, max_new_tokens=24, do_sample=False, **extra), alone), kind
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # untied (table row-major) and tied (table interleaved)
-def test_sampling_and_lookup_over_an_interleaved_fast_target(fast_kernel, tiny_gguf, arch):
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # untied (table row-major) and tied (with VNNI: interleaved)
+def test_sampling_and_lookup_over_a_fast_target(fast_kernel, tiny_gguf, arch):
     folder, path = tiny_gguf(arch)
     target = IPEXModelForCausalLM.from_pretrained(path, gguf_mode="fast")
-    assert target.model.lm_head.interleaved
+    assert target.model.lm_head.fast and target.model.lm_head.interleaved == (gw.fast_kernel() == "avx512")
     alone = target.generate(PROMPT, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(PROMPT, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=5), alone)
     draft = IPEXModelForCausalLM.from_pretrained(folder, export=True, weights="int8")
@@ -661,10 +680,12 @@ def test_a_config_that_splits_the_file_otherwise_is_refused(kernel, tiny_gguf, t
         IPEXModelForCausalLM.from_pretrained(str(copy), gguf_file="model.gguf")
 
 
-def test_fast_mode_keeps_a_nan_activation_visible(fast_kernel):
-    block = TYPES["Q4_K"]
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_fast_mode_keeps_a_nan_activation_visible(fast_mm, name):
+    block = TYPES[name]
     blocks = torch.from_numpy(random_blocks(block, 8, 256, np.random.default_rng(6)))
-    x = torch.randn(2, 256)
+    x = torch.randn(3, 256)
     x[1, 17] = float("nan")
-    out = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, blocks, block.qtype, 256)
-    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+    x[2] = 1e-38  # so small that 127 / max|x| overflows: codes 0, outputs 0
+    out = fast_mm(x, blocks, block.qtype, 256)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all() and torch.equal(out[2], torch.zeros(8))

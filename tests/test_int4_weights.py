@@ -166,7 +166,7 @@ def test_a_tied_q4_k_model_is_its_dequantized_model():
 @pytest.mark.parametrize("mode, compiled", [("exact", False), ("fast", False), ("fast", True)])
 def test_speculation_over_a_q4_k_target_is_lossless(mode, compiled):
     if mode == "fast" and not gw.gguf_fast_available():
-        pytest.skip("the fast mode needs AVX512-VNNI here")
+        pytest.skip("the fast mode needs AVX2 (or AVX512-VNNI) here")
     model, _ = _tied_llama()
     target = IPEXModelForCausalLM.from_transformers_model(model, weights="int4", gguf_mode=mode,
                                                           torch_compile=compiled)
@@ -192,7 +192,7 @@ def test_a_verification_chunk_gives_each_token_its_decode_steps_bits(mode, kv_he
     visible one: a real prompt's greedy tokens changed under speculation before the chunk's rows attended one at a
     time). Grouped-query and multi-head attention; an MLP activation that ATen splits among threads."""
     if mode == "fast" and not gw.gguf_fast_available():
-        pytest.skip("the fast mode needs AVX512-VNNI here")
+        pytest.skip("the fast mode needs AVX2 (or AVX512-VNNI) here")
     model, _ = _tied_llama(intermediate=intermediate, kv_heads=kv_heads)
     decoder = IPEXModelForCausalLM.from_transformers_model(model, weights="int4", gguf_mode=mode).runner.decoder
     ids = (PROMPT % 512)[:, :12]
@@ -271,7 +271,7 @@ def test_sampling_over_an_int4_target(int4):
 @pytest.mark.parametrize("mode, compiled", [("fast", False), ("exact", True), ("fast", True)])
 def test_int4_modes_and_compiled_targets_are_lossless(int4, mode, compiled):
     if mode == "fast" and not gw.gguf_fast_available():
-        pytest.skip("the fast mode needs AVX512-VNNI here")
+        pytest.skip("the fast mode needs AVX2 (or AVX512-VNNI) here")
     target = IPEXModelForCausalLM.from_pretrained(int4["folder"], export=True, weights="int4", gguf_mode=mode,
                                                   torch_compile=compiled)
     table = target.model.model.embed_tokens.table  # an untied table is only looked up: held as given

@@ -1,0 +1,301 @@
+// The fast GGUF mode for CPUs with AVX2, FMA and F16C but no AVX512-VNNI: activations rounded to int8 per block (as
+// llama.cpp's q8_0 / q8_K round them, and as gguf_gemm_vnni.cpp does), multiplied by the weights' integer codes with
+// vpmaddubsw / vpmaddwd; its outputs are its own, like the VNNI kernel's (the same integer sums; the fp32 sums in
+// another order).
+//
+// Operator (namespace optimum_ipex_spec_gguf_fast_avx2):
+//   mm(x fp32 [M, K], blocks uint8 [N, row_bytes], qtype, K) -> fp32 [M, N]   (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K,
+//       Q6_K; K a multiple of 64 and of the block's values)
+//
+// Activations, per row of x: d = max|x| / 127 per 32 values (per 256 for the K types), codes round(x / d) to nearest
+// even, in natural order, and the code sums per 32 (what Q4_1's and the K types' mins multiply).
+// Weights, one row at a time for every row of x: a block's (super-block's) codes are decoded once into vectors of 32
+// bytes in natural order, then per row of x
+//   - signed codes (Q4_0: q - 8, Q5_0: q - 16, Q8_0: q, Q6_K: q - 32): vpmaddubsw(|w|, x with w's sign) gives int16
+//     words of 2 products (|word| <= 2 * 128 * 127: never saturates), vpmaddwd sums pairs into 8 int32 lanes (by the
+//     sub-block scales for Q6_K);
+//   - unsigned codes (Q4_1: q; Q4_K, Q5_K: q, by the 6-bit sub-block scales): vpmaddubsw(w, x), then vpmaddwd;
+//   then one fp32 multiply-add of the 8 lanes by d_w * d_x per block (super-block); the mins (Q4_1: m * d_x * code
+//   sum; Q4_K, Q5_K: dmin * d_x * sum of mn * code sums) go to a second fp32 sum. Each output is 8 lanes summed in a
+//   fixed order plus that sum: the same operations whatever M is, so a row gets the same bits alone as among others
+//   (speculative decoding over a target in this mode returns that target's own greedy tokens). Weight rows are split
+//   between torch's threads, each row computed by one thread.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gguf_formats.h"
+
+namespace {
+
+using namespace optimum_ipex_spec_gguf_formats;
+
+// how far ahead of the block being read a row prefetches (bytes; a prefetch never faults past a tensor's end)
+constexpr int64_t kAhead = 2048;
+
+// values x[0..n) (n a multiple of 8) -> int8 codes q and their scale, returned: d = max|x| / 127, q = round(x / d) to
+// nearest even (x * (127 / max|x|), as gguf_vnni_activations.h computes them); a NaN among them gives a NaN scale
+// (so NaN outputs), an infinity an infinite one; a largest |x| so small that 127 / max|x| overflows gives codes 0
+inline float quantize_group(const float* x, int64_t n, int8_t* q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax = _mm256_setzero_ps();
+  int nan = 0;
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float top = lanes[0];
+  for (int i = 1; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+  if (nan) top = NAN;
+  const float ratio = top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f;
+  const __m256 inv = _mm256_set1_ps(std::isfinite(ratio) ? ratio : 0.0f);
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv));  // |v| <= 127
+    alignas(32) int32_t w[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w), v);
+    for (int i = 0; i < 8; i++) q[k + i] = static_cast<int8_t>(w[i]);
+  }
+  return top / 127.0f;
+}
+
+// Every row of x as int8 codes in natural order, a scale per `group` values and the code sums per 32
+struct Activations {
+  int64_t K, group;
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> sums;
+
+  Activations(const float* x, int64_t M, int64_t K_, int64_t group_)
+      : K(K_), group(group_), q(M * K_), d(M * (K_ / group_)), sums(M * (K_ / 32)) {
+    for (int64_t m = 0; m < M; m++) {
+      for (int64_t g = 0; g < K / group; g++)
+        d[m * (K / group) + g] = quantize_group(x + m * K + group * g, group, q.data() + m * K + group * g);
+      for (int64_t j = 0; j < K / 32; j++) {
+        int32_t s = 0;
+        for (int i = 0; i < 32; i++) s += q[m * K + 32 * j + i];
+        sums[m * (K / 32) + j] = s;
+      }
+    }
+  }
+};
+
+// 8 int32 lanes: sums of 4 products of signed codes w by x, through vpmaddubsw(|w|, x * sign(w))
+inline __m256i dot_signed(__m256i w, __m256i x) {
+  const __m256i words = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(words, _mm256_set1_epi16(1));
+}
+
+// the 32 codes of a 16-byte nibble block in natural order (byte j: value j low, value j + 16 high)
+inline __m256i nibble_codes(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
+}
+
+// 0x10 in byte j where bit j of the 32-bit word at p is set (Q5_0's fifth bits)
+inline __m256i fifth_bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  // byte j takes byte j / 8 of the word (each 128-bit lane holds the whole word), then tests its bit j % 8
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), pick);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// the 8 lanes summed in one fixed order: 4-7 + 0-3, then [0] + [2] and [1] + [3], then the two
+inline float sum_lanes(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
+
+// One weight row of a 32-value type times every row of x: MB of them (1-4, accumulators in registers), or `count`
+// (MB = 0, accumulators in memory)
+template <int64_t QT, int MB>
+void row_32(const Activations& xa, int64_t count, const uint8_t* row, int64_t bytes, float* out, int64_t ldo,
+            __m256* acc_memory, float* min_memory) {
+  const int64_t K = xa.K, blocks = K / 32;
+  const int64_t rows_x = MB > 0 ? MB : count;
+  __m256 acc_registers[MB > 0 ? MB : 1];
+  float min_registers[MB > 0 ? MB : 1];
+  __m256* acc = MB > 0 ? acc_registers : acc_memory;
+  float* mins = MB > 0 ? min_registers : min_memory;
+  for (int64_t m = 0; m < rows_x; m++) {
+    acc[m] = _mm256_setzero_ps();
+    mins[m] = 0.0f;
+  }
+  for (int64_t blk = 0; blk < blocks; blk++) {
+    const uint8_t* b = row + blk * bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(b) + kAhead, _MM_HINT_T0);
+    __m256i w;
+    if (QT == Q8_0) {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    } else if (QT == Q5_0) {
+      w = _mm256_sub_epi8(_mm256_or_si256(nibble_codes(b + 6), fifth_bits32(b + 2)), _mm256_set1_epi8(16));
+    } else if (QT == Q4_0) {
+      w = _mm256_sub_epi8(nibble_codes(b + 2), _mm256_set1_epi8(8));
+    } else {  // Q4_1: unsigned codes
+      w = nibble_codes(b + 4);
+    }
+    const float dw = half(b);
+    const float mw = QT == Q4_1 ? half(b + 2) : 0.0f;
+    for (int64_t m = 0; m < rows_x; m++) {
+      const int64_t i = m * blocks + blk;
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.q.data() + 32 * i));
+      const __m256i dot = QT == Q4_1 ? _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+                                     : dot_signed(w, x);
+      const float dx = xa.d[i];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx), acc[m]);
+      if (QT == Q4_1) mins[m] += mw * dx * static_cast<float>(xa.sums[i]);
+    }
+  }
+  for (int64_t m = 0; m < rows_x; m++) out[m * ldo] = sum_lanes(acc[m]) + mins[m];
+}
+
+// One weight row of a K type times every row of x (MB / count as row_32)
+template <int64_t QT, int MB>
+void row_k(const Activations& xa, int64_t count, const uint8_t* row, int64_t bytes, float* out, int64_t ldo,
+           __m256* acc_memory, float* min_memory) {
+  const int64_t K = xa.K, supers = K / 256;
+  const int64_t rows_x = MB > 0 ? MB : count;
+  __m256 acc_registers[MB > 0 ? MB : 1];
+  float min_registers[MB > 0 ? MB : 1];
+  __m256* acc = MB > 0 ? acc_registers : acc_memory;
+  float* mins = MB > 0 ? min_registers : min_memory;
+  for (int64_t m = 0; m < rows_x; m++) {
+    acc[m] = _mm256_setzero_ps();
+    mins[m] = 0.0f;
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t s = 0; s < supers; s++) {
+    const uint8_t* b = row + s * bytes;
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b) + kAhead + o, _MM_HINT_T0);
+    __m256i codes[8], scale[8];  // per 32 values: the codes (natural order), the int16 scale of each word
+    int mn[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float d, dmin = 0.0f;
+    if (QT == Q6_K) {  // (q - 32) signed; a scale per 16 values (words 0-7 | 8-15 of a 32-value piece)
+      d = half(b + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int h = 0; h < 2; h++)
+        for (int r = 0; r < 4; r++) {
+          const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (r % 2)));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+          const __m256i low = _mm256_and_si256(r < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+          const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), _mm256_set1_epi8(3));
+          const int p = 4 * h + r;  // values 32p..32p+31
+          codes[p] = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(top, 4)), _mm256_set1_epi8(32));
+          scale[p] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * p + 1]), _mm_set1_epi16(sc[2 * p]));
+        }
+    } else {  // Q4_K, Q5_K: unsigned q, a 6-bit scale and min per 32 values
+      d = half(b);
+      dmin = half(b + 2);
+      const uint8_t* qs = b + (QT == Q5_K ? 48 : 16);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      for (int g = 0; g < 8; g++) {
+        int sc;
+        scale_min_k4(b + 4, g, &sc, &mn[g]);
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (g / 2)));
+        codes[g] = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+        if (QT == Q5_K)
+          codes[g] = _mm256_or_si256(codes[g], _mm256_slli_epi16(
+              _mm256_and_si256(_mm256_srli_epi16(qh, g), _mm256_set1_epi8(1)), 4));
+        scale[g] = _mm256_set1_epi16(static_cast<int16_t>(sc));
+      }
+    }
+    for (int64_t m = 0; m < rows_x; m++) {
+      const int8_t* xq = xa.q.data() + m * K + 256 * s;
+      __m256i total = _mm256_setzero_si256();
+      for (int p = 0; p < 8; p++) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * p));
+        const __m256i words = QT == Q6_K
+                                  ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes[p], codes[p]),
+                                                         _mm256_sign_epi8(x, codes[p]))
+                                  : _mm256_maddubs_epi16(codes[p], x);
+        total = _mm256_add_epi32(total, _mm256_madd_epi16(words, scale[p]));
+      }
+      const float dx = xa.d[m * supers + s];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * dx), acc[m]);
+      if (QT != Q6_K) {
+        const int32_t* sums = xa.sums.data() + m * (K / 32) + 8 * s;
+        int32_t weighted = 0;
+        for (int g = 0; g < 8; g++) weighted += mn[g] * sums[g];
+        mins[m] += dmin * dx * static_cast<float>(weighted);
+      }
+    }
+  }
+  for (int64_t m = 0; m < rows_x; m++) out[m * ldo] = sum_lanes(acc[m]) - mins[m];
+}
+
+template <int64_t QT>
+void mm_rows(const float* x, int64_t M, const uint8_t* wp, int64_t row_bytes, int64_t bytes, float* op, int64_t N,
+             int64_t K) {
+  const bool k_type = QT == Q4_K || QT == Q5_K || QT == Q6_K;
+  const Activations xa(x, M, K, k_type ? 256 : 32);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<__m256> acc(M > 4 ? M : 0);  // more than 4 rows of x (a prefill): accumulators in memory
+    std::vector<float> mins(M > 4 ? M : 0);
+    for (int64_t n = begin; n < end; n++) {
+      const uint8_t* row = wp + n * row_bytes;
+      float* o = op + n;
+      auto one = k_type ? row_k<QT, 1> : row_32<QT, 1>;
+      auto two = k_type ? row_k<QT, 2> : row_32<QT, 2>;
+      auto three = k_type ? row_k<QT, 3> : row_32<QT, 3>;
+      auto four = k_type ? row_k<QT, 4> : row_32<QT, 4>;
+      auto many = k_type ? row_k<QT, 0> : row_32<QT, 0>;
+      switch (M) {
+        case 1: one(xa, 1, row, bytes, o, N, nullptr, nullptr); break;
+        case 2: two(xa, 2, row, bytes, o, N, nullptr, nullptr); break;
+        case 3: three(xa, 3, row, bytes, o, N, nullptr, nullptr); break;
+        case 4: four(xa, 4, row, bytes, o, N, nullptr, nullptr); break;
+        default: many(xa, M, row, bytes, o, N, acc.data(), mins.data());
+      }
+    }
+  });
+}
+
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K ||
+                  qtype == Q6_K, "gguf fast mode: unsupported block type ", qtype);
+  const Format f = checked_format(blocks, qtype, K);
+  TORCH_CHECK(K % 64 == 0, "gguf fast mode: K=", K, " is not a multiple of 64");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0), N = blocks.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty({M, N}, at::kFloat);
+  if (M == 0) return out.view(shape);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = blocks.size(1);
+  switch (qtype) {
+    case Q4_0: mm_rows<Q4_0>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
+    case Q4_1: mm_rows<Q4_1>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
+    case Q5_0: mm_rows<Q5_0>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
+    case Q8_0: mm_rows<Q8_0>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
+    case Q4_K: mm_rows<Q4_K>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
+    case Q5_K: mm_rows<Q5_K>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
+    default: mm_rows<Q6_K>(xp, M, wp, row_bytes, f.bytes, op, N, K);
+  }
+  return out.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(optimum_ipex_spec_gguf_fast_avx2, m) { m.def("mm(Tensor x, Tensor blocks, int qtype, int K) -> Tensor"); }
+TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf_fast_avx2, CPU, m) { m.impl("mm", &mm); }
