@@ -73,7 +73,7 @@ struct Activations {
   int64_t K, group;
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int32_t> sums;
+  std::vector<int16_t> sums;  // |sum| <= 32 * 127
 
   Activations(const float* x, int64_t M, int64_t K_, int64_t group_)
       : K(K_), group(group_), q(M * K_), d(M * (K_ / group_)), sums(M * (K_ / 32)) {
@@ -83,7 +83,7 @@ struct Activations {
       for (int64_t j = 0; j < K / 32; j++) {
         int32_t s = 0;
         for (int i = 0; i < 32; i++) s += q[m * K + 32 * j + i];
-        sums[m * (K / 32) + j] = s;
+        sums[m * (K / 32) + j] = static_cast<int16_t>(s);
       }
     }
   }
@@ -184,7 +184,7 @@ void row_k(const Activations& xa, int64_t count, const uint8_t* row, int64_t byt
     const uint8_t* b = row + s * bytes;
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b) + kAhead + o, _MM_HINT_T0);
     __m256i codes[8], scale[8];  // per 32 values: the codes (natural order), the int16 scale of each word
-    int mn[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    __m128i mins16 = _mm_setzero_si128();  // Q4_K, Q5_K: the 8 mins as int16
     float d, dmin = 0.0f;
     if (QT == Q6_K) {  // (q - 32) signed; a scale per 16 values (words 0-7 | 8-15 of a 32-value piece)
       d = half(b + 208);
@@ -202,11 +202,21 @@ void row_k(const Activations& xa, int64_t count, const uint8_t* row, int64_t byt
     } else {  // Q4_K, Q5_K: unsigned q, a 6-bit scale and min per 32 values
       d = half(b);
       dmin = half(b + 2);
+      // the 12 bytes of scales and mins as three 32-bit words: bytes 0-3 hold the low 6 bits of scales 0-3 (their top
+      // 2 bits: the high bits of scales 4-7), bytes 4-7 those of mins 0-3 (likewise mins 4-7), bytes 8-11 the low 4
+      // bits of scales 4-7 (low nibbles) and of mins 4-7 (high nibbles): all 8 of each, a byte apiece, at once
+      uint32_t w[3];
+      std::memcpy(w, b + 4, 12);
+      const uint32_t low6 = 0x3F3F3F3Fu, low4n = 0x0F0F0F0Fu, top2 = 0x03030303u;
+      const uint64_t sc8 = static_cast<uint64_t>(w[0] & low6) |
+                           static_cast<uint64_t>((w[2] & low4n) | (((w[0] >> 6) & top2) << 4)) << 32;
+      const uint64_t mn8 = static_cast<uint64_t>(w[1] & low6) |
+                           static_cast<uint64_t>(((w[2] >> 4) & low4n) | (((w[1] >> 6) & top2) << 4)) << 32;
+      mins16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(mn8)));
       const uint8_t* qs = b + (QT == Q5_K ? 48 : 16);
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
       for (int g = 0; g < 8; g++) {
-        int sc;
-        scale_min_k4(b + 4, g, &sc, &mn[g]);
+        const int sc = static_cast<int>((sc8 >> (8 * g)) & 0xFF);
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (g / 2)));
         codes[g] = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
         if (QT == Q5_K)
@@ -228,10 +238,11 @@ void row_k(const Activations& xa, int64_t count, const uint8_t* row, int64_t byt
       }
       const float dx = xa.d[m * supers + s];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * dx), acc[m]);
-      if (QT != Q6_K) {
-        const int32_t* sums = xa.sums.data() + m * (K / 32) + 8 * s;
-        int32_t weighted = 0;
-        for (int g = 0; g < 8; g++) weighted += mn[g] * sums[g];
+      if (QT != Q6_K) {  // sum over the 8 sub-blocks of min * code sum (|sum| <= 63 * 32 * 127 * 8: int32)
+        const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xa.sums.data() + m * (K / 32) + 8 * s));
+        const __m128i four = _mm_madd_epi16(mins16, sums);
+        const __m128i two = _mm_add_epi32(four, _mm_unpackhi_epi64(four, four));
+        const int32_t weighted = _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 1)));
         mins[m] += dmin * dx * static_cast<float>(weighted);
       }
     }
