@@ -99,12 +99,12 @@ _CSRC = Path(__file__).parent / "csrc"
 
 @dataclass(frozen=True)
 class Build:
-    """One C++ extension of the GGUF kernels: its sources, the header they include (not in torch's build hash, so
-    its hash goes in the extension's name), the operator namespace it registers, compiler flags, the CPU flags (as
+    """One C++ extension of the GGUF kernels: its sources, the headers they include (not in torch's build hash, so
+    their hash goes in the extension's name), the operator namespace it registers, compiler flags, the CPU flags (as
     /proc/cpuinfo names them) it needs, and the operators' shape functions for torch.compile."""
 
     sources: tuple
-    header: str
+    headers: tuple
     namespace: str
     cflags: tuple
     cpu_flags: frozenset
@@ -114,21 +114,22 @@ class Build:
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 #: the exact kernel's builds, best first, by instruction set
 EXACT_KERNELS = {
-    "avx512": Build(("gguf_gemm.cpp",), "gguf_formats.h", "optimum_ipex_spec_gguf",
+    "avx512": Build(("gguf_gemm.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf",
                     ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c"), frozenset({"avx512f", "avx512bw", "fma", "f16c"}),
                     (("mm", "_mm_shape"), ("dequantize", "_dequantize_shape"))),
-    "avx2": Build(("gguf_gemm_avx2.cpp",), "gguf_formats.h", "optimum_ipex_spec_gguf_avx2", _AVX2_FLAGS,
+    "avx2": Build(("gguf_gemm_avx2.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf_avx2", _AVX2_FLAGS,
                   frozenset({"avx2", "fma", "f16c"}), (("mm", "_mm_shape"), ("dequantize", "_dequantize_shape"))),
 }
 #: the fast mode's builds, best first, by instruction set ("avx512": AVX512-VNNI, with the interleaved layout)
 FAST_KERNELS = {
-    "avx512": Build(("gguf_gemm_vnni.cpp", "gguf_interleaved_vnni.cpp"), "gguf_vnni_activations.h",
+    "avx512": Build(("gguf_gemm_vnni.cpp", "gguf_interleaved_vnni.cpp"),
+                    ("gguf_formats.h", "gguf_vnni_activations.h"),
                     "optimum_ipex_spec_gguf_vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
                                                     "-mf16c"),
                     frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"}),
                     (("mm", "_mm_shape"), ("mm_interleaved", "_mm_interleaved_shape"),
                      ("deinterleave", "_deinterleave_shape"))),
-    "avx2": Build(("gguf_fast_avx2.cpp",), "gguf_formats.h", "optimum_ipex_spec_gguf_fast_avx2", _AVX2_FLAGS,
+    "avx2": Build(("gguf_fast_avx2.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf_fast_avx2", _AVX2_FLAGS,
                   frozenset({"avx2", "fma", "f16c"}), (("mm", "_mm_shape"),)),
 }
 #: the environment variable that picks the kernels: "auto" (the default: the best ones this CPU runs), "avx512",
@@ -146,9 +147,9 @@ def _built(build: Build) -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        # the header's hash and the torch version (two versions sharing one TORCH_EXTENSIONS_DIR keep a build each)
+        # the headers' hash and the torch version (two versions sharing one TORCH_EXTENSIONS_DIR keep a build each)
         # go in the name
-        header = hashlib.sha256((_CSRC / build.header).read_bytes()).hexdigest()[:12]
+        header = hashlib.sha256(b"".join((_CSRC / name).read_bytes() for name in build.headers)).hexdigest()[:12]
         name = f"{build.namespace}_v2_{header}_torch" + re.sub(r"\W", "_", torch.__version__)
         load(name, sources=[str(_CSRC / source) for source in build.sources], is_python_module=False, verbose=False,
              extra_cflags=["-O3", *build.cflags, "-ffp-contract=off", *OPENMP], extra_ldflags=OPENMP)

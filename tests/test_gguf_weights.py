@@ -76,14 +76,20 @@ def kernel():
                     "below")
 
 
-@pytest.fixture(params=list(gw.EXACT_KERNELS))
-def isa(request):
-    """Each build of the exact kernel this CPU runs (AVX-512, AVX2), called directly."""
-    build = gw.EXACT_KERNELS[request.param]
+def built_here(build):
+    """``build`` (a :class:`gw.Build`) loaded: skipped where this CPU lacks its instructions, failed where it does
+    not build."""
     if not build.cpu_flags <= gw._cpu_flags():
         pytest.skip(f"this CPU lacks {', '.join(sorted(build.cpu_flags - gw._cpu_flags()))}")
     if not gw._built(build):
-        pytest.fail(f"the {request.param} kernel did not build here (see the log)")
+        pytest.fail(f"{build.namespace} did not build here (see the log)")
+    return build
+
+
+@pytest.fixture(params=list(gw.EXACT_KERNELS))
+def isa(request):
+    """Each build of the exact kernel this CPU runs (AVX-512, AVX2), called directly."""
+    built_here(gw.EXACT_KERNELS[request.param])
     return request.param
 
 
@@ -505,12 +511,7 @@ def vnni_kernel(fast_kernel):
 @pytest.fixture(params=list(gw.FAST_KERNELS))
 def fast_mm(request):
     """Each build of the fast kernel this CPU runs (AVX512-VNNI, AVX2), as ``mm(x, blocks, qtype, k)``."""
-    build = gw.FAST_KERNELS[request.param]
-    if not build.cpu_flags <= gw._cpu_flags():
-        pytest.skip(f"this CPU lacks {', '.join(sorted(build.cpu_flags - gw._cpu_flags()))}")
-    if not gw._built(build):
-        pytest.fail(f"the {request.param} fast kernel did not build here (see the log)")
-    return getattr(torch.ops, build.namespace).mm
+    return getattr(torch.ops, built_here(gw.FAST_KERNELS[request.param]).namespace).mm
 
 
 def _fast_reference(x: torch.Tensor, blocks: np.ndarray, block) -> torch.Tensor:

@@ -122,21 +122,36 @@ inline float sum_lanes(__m256 v) {
   return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
 }
 
+// the fp32 sums of a weight row with each row of x: 8 lanes and the mins' sum apiece, zeroed; in registers for
+// MB = 1-4 rows of x, in the caller's memory for `count` of them (MB = 0)
+template <int MB>
+struct Sums {
+  __m256 acc_registers[MB > 0 ? MB : 1];
+  float min_registers[MB > 0 ? MB : 1];
+  int64_t rows;
+  __m256* acc;
+  float* mins;
+
+  Sums(int64_t count, __m256* acc_memory, float* min_memory)
+      : rows(MB > 0 ? MB : count), acc(MB > 0 ? acc_registers : acc_memory),
+        mins(MB > 0 ? min_registers : min_memory) {
+    for (int64_t m = 0; m < rows; m++) {
+      acc[m] = _mm256_setzero_ps();
+      mins[m] = 0.0f;
+    }
+  }
+};
+
 // One weight row of a 32-value type times every row of x: MB of them (1-4, accumulators in registers), or `count`
 // (MB = 0, accumulators in memory)
 template <int64_t QT, int MB>
 void row_32(const Activations& xa, int64_t count, const uint8_t* row, int64_t bytes, float* out, int64_t ldo,
             __m256* acc_memory, float* min_memory) {
   const int64_t K = xa.K, blocks = K / 32;
-  const int64_t rows_x = MB > 0 ? MB : count;
-  __m256 acc_registers[MB > 0 ? MB : 1];
-  float min_registers[MB > 0 ? MB : 1];
-  __m256* acc = MB > 0 ? acc_registers : acc_memory;
-  float* mins = MB > 0 ? min_registers : min_memory;
-  for (int64_t m = 0; m < rows_x; m++) {
-    acc[m] = _mm256_setzero_ps();
-    mins[m] = 0.0f;
-  }
+  Sums<MB> sums(count, acc_memory, min_memory);
+  const int64_t rows_x = sums.rows;
+  __m256* acc = sums.acc;
+  float* mins = sums.mins;
   for (int64_t blk = 0; blk < blocks; blk++) {
     const uint8_t* b = row + blk * bytes;
     _mm_prefetch(reinterpret_cast<const char*>(b) + kAhead, _MM_HINT_T0);
@@ -170,15 +185,10 @@ template <int64_t QT, int MB>
 void row_k(const Activations& xa, int64_t count, const uint8_t* row, int64_t bytes, float* out, int64_t ldo,
            __m256* acc_memory, float* min_memory) {
   const int64_t K = xa.K, supers = K / 256;
-  const int64_t rows_x = MB > 0 ? MB : count;
-  __m256 acc_registers[MB > 0 ? MB : 1];
-  float min_registers[MB > 0 ? MB : 1];
-  __m256* acc = MB > 0 ? acc_registers : acc_memory;
-  float* mins = MB > 0 ? min_registers : min_memory;
-  for (int64_t m = 0; m < rows_x; m++) {
-    acc[m] = _mm256_setzero_ps();
-    mins[m] = 0.0f;
-  }
+  Sums<MB> sums(count, acc_memory, min_memory);
+  const int64_t rows_x = sums.rows;
+  __m256* acc = sums.acc;
+  float* mins = sums.mins;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t s = 0; s < supers; s++) {
     const uint8_t* b = row + s * bytes;
@@ -277,36 +287,16 @@ void mm_rows(const float* x, int64_t M, const uint8_t* wp, int64_t row_bytes, in
   });
 }
 
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K ||
-                  qtype == Q6_K, "gguf fast mode: unsupported block type ", qtype);
-  const Format f = checked_format(blocks, qtype, K);
-  TORCH_CHECK(K % 64 == 0, "gguf fast mode: K=", K, " is not a multiple of 64");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), N = blocks.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, at::kFloat);
-  if (M == 0) return out.view(shape);
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = blocks.size(1);
-  switch (qtype) {
-    case Q4_0: mm_rows<Q4_0>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
-    case Q4_1: mm_rows<Q4_1>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
-    case Q5_0: mm_rows<Q5_0>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
-    case Q8_0: mm_rows<Q8_0>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
-    case Q4_K: mm_rows<Q4_K>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
-    case Q5_K: mm_rows<Q5_K>(xp, M, wp, row_bytes, f.bytes, op, N, K); break;
-    default: mm_rows<Q6_K>(xp, M, wp, row_bytes, f.bytes, op, N, K);
+// the kernel's rows, for the operator's shell (gguf_formats.h)
+struct Rows {
+  template <int64_t QT>
+  static void mm(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t bytes, float* out, int64_t N,
+                 int64_t K) {
+    mm_rows<QT>(x, M, w, row_bytes, bytes, out, N, K);
   }
-  return out.view(shape);
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY(optimum_ipex_spec_gguf_fast_avx2, m) { m.def("mm(Tensor x, Tensor blocks, int qtype, int K) -> Tensor"); }
-TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf_fast_avx2, CPU, m) { m.impl("mm", &mm); }
+TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf_fast_avx2, CPU, m) { m.impl("mm", &fast_mm_op<Rows>); }

@@ -107,9 +107,9 @@ inline Format checked_format(const at::Tensor& blocks, int64_t qtype, int64_t K)
 
 namespace optimum_ipex_spec_gguf_formats {
 
-// The two operators' shells, the same for every kernel: the arguments checked, the output made, then the rows
-// computed by the kernel's Rows::dequantize<QT>(src, row_bytes, f, dst, N, K) and
-// Rows::mm<QT>(x, M, blocks, row_bytes, f, out, N, K) (x [M, K] and out [M, N] contiguous fp32).
+// The exact kernels' two operator shells: the arguments checked, the output made, then the rows computed by the
+// kernel's Rows::dequantize<QT>(src, row_bytes, f, dst, N, K) and Rows::mm<QT>(x, M, blocks, row_bytes, f, out, N, K)
+// (x [M, K] and out [M, N] contiguous fp32).
 template <class Rows>
 at::Tensor dequantize_op(const at::Tensor& blocks, int64_t qtype, int64_t K) {
   const Format f = checked_format(blocks, qtype, K);
@@ -120,20 +120,56 @@ at::Tensor dequantize_op(const at::Tensor& blocks, int64_t qtype, int64_t K) {
   return out;
 }
 
+// x [..., K] fp32 checked and flattened to a contiguous [M, K], the output [M, N] made, and the shape to view it as
+struct MmCall {
+  at::Tensor x, out;
+  std::vector<int64_t> shape;
+
+  MmCall(const at::Tensor& x_in, const at::Tensor& blocks, int64_t K) {
+    TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
+    TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
+    x = x_in.reshape({-1, K}).contiguous();
+    shape.assign(x_in.sizes().begin(), x_in.sizes().end());
+    shape.back() = blocks.size(0);
+    out = at::empty({x.size(0), blocks.size(0)}, at::kFloat);
+  }
+};
+
 template <class Rows>
 at::Tensor mm_op(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K) {
   const Format f = checked_format(blocks, qtype, K);
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), N = blocks.size(0), row_bytes = blocks.size(1);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, at::kFloat);
-  if (M > 0)
-    GGUF_DISPATCH(qtype, Rows::template mm, x.data_ptr<float>(), M, blocks.data_ptr<uint8_t>(), row_bytes, f,
-                  out.data_ptr<float>(), N, K);
-  return out.view(shape);
+  MmCall call(x_in, blocks, K);
+  if (call.x.size(0) > 0)
+    GGUF_DISPATCH(qtype, Rows::template mm, call.x.data_ptr<float>(), call.x.size(0), blocks.data_ptr<uint8_t>(),
+                  blocks.size(1), f, call.out.data_ptr<float>(), blocks.size(0), K);
+  return call.out.view(call.shape);
+}
+
+// The fast kernels' operator shell: the block types with integer codes only, K a multiple of 64, then
+// Rows::mm<QT>(x, M, blocks, row_bytes, block_bytes, out, N, K)
+template <class Rows>
+at::Tensor fast_mm_op(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || qtype == Q4_K || qtype == Q5_K ||
+                  qtype == Q6_K, "gguf fast mode: unsupported block type ", qtype);
+  const Format f = checked_format(blocks, qtype, K);
+  TORCH_CHECK(K % 64 == 0, "gguf fast mode: K=", K, " is not a multiple of 64");
+  MmCall call(x_in, blocks, K);
+  const int64_t M = call.x.size(0), N = blocks.size(0), row_bytes = blocks.size(1);
+  const float* x = call.x.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* out = call.out.data_ptr<float>();
+  if (M > 0) {
+    switch (qtype) {
+      case Q4_0: Rows::template mm<Q4_0>(x, M, w, row_bytes, f.bytes, out, N, K); break;
+      case Q4_1: Rows::template mm<Q4_1>(x, M, w, row_bytes, f.bytes, out, N, K); break;
+      case Q5_0: Rows::template mm<Q5_0>(x, M, w, row_bytes, f.bytes, out, N, K); break;
+      case Q8_0: Rows::template mm<Q8_0>(x, M, w, row_bytes, f.bytes, out, N, K); break;
+      case Q4_K: Rows::template mm<Q4_K>(x, M, w, row_bytes, f.bytes, out, N, K); break;
+      case Q5_K: Rows::template mm<Q5_K>(x, M, w, row_bytes, f.bytes, out, N, K); break;
+      default: Rows::template mm<Q6_K>(x, M, w, row_bytes, f.bytes, out, N, K);
+    }
+  }
+  return call.out.view(call.shape);
 }
 
 }  // namespace optimum_ipex_spec_gguf_formats

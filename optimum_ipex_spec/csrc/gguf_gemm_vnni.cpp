@@ -31,15 +31,24 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_formats.h"
 #include "gguf_vnni_activations.h"
 
 namespace {
+
+using optimum_ipex_spec_gguf_formats::fast_mm_op;
 
 using optimum_ipex_spec_vnni::KActivations;
 using optimum_ipex_spec_vnni::half;
 using optimum_ipex_spec_vnni::quantize_group;
 
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+using optimum_ipex_spec_gguf_formats::Q4_0;
+using optimum_ipex_spec_gguf_formats::Q4_1;
+using optimum_ipex_spec_gguf_formats::Q4_K;
+using optimum_ipex_spec_gguf_formats::Q5_0;
+using optimum_ipex_spec_gguf_formats::Q5_K;
+using optimum_ipex_spec_gguf_formats::Q6_K;
+using optimum_ipex_spec_gguf_formats::Q8_0;
 
 // a pshufb control: every int16 word of 128-bit lane L takes byte index[L] of that lane, into its low byte with the
 // high byte zero (unsigned scales), or into its high byte with the low byte zero (signed: shifted down after)
@@ -319,49 +328,19 @@ void mm_32(const float* x, int64_t M, const uint8_t* wp, int64_t row_bytes, int6
   });
 }
 
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t K) {
-  int64_t values, bytes;
-  switch (qtype) {
-    case Q4_0: values = 32; bytes = 18; break;
-    case Q4_1: values = 32; bytes = 20; break;
-    case Q5_0: values = 32; bytes = 22; break;
-    case Q8_0: values = 32; bytes = 34; break;
-    case Q4_K: values = 256; bytes = 144; break;
-    case Q5_K: values = 256; bytes = 176; break;
-    case Q6_K: values = 256; bytes = 210; break;
-    default: TORCH_CHECK(false, "gguf fast mode: unsupported block type ", qtype);
+// the kernel's rows, for the operator's shell (gguf_formats.h)
+struct Rows {
+  template <int64_t QT>
+  static void mm(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t bytes, float* out, int64_t N,
+                 int64_t K) {
+    if (QT == Q4_K || QT == Q5_K || QT == Q6_K)
+      mm_k<QT>(x, M, w, row_bytes, bytes, out, N, K);
+    else
+      mm_32<QT>(x, M, w, row_bytes, bytes, out, N, K);
   }
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "gguf: blocks must be a contiguous uint8 [rows, row_bytes] tensor");
-  TORCH_CHECK(K > 0 && K % 64 == 0 && K % values == 0, "gguf fast mode: K=", K, " is not a multiple of 64 and of ",
-              values);
-  TORCH_CHECK(blocks.size(1) == K / values * bytes, "gguf: a row of ", K, " values is ", K / values * bytes,
-              " bytes in this block type, got ", blocks.size(1));
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), N = blocks.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, at::kFloat);
-  if (M == 0) return out.view(shape);
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = blocks.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = blocks.size(1);
-  switch (qtype) {
-    case Q4_0: mm_32<Q4_0>(xp, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q4_1: mm_32<Q4_1>(xp, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q5_0: mm_32<Q5_0>(xp, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q8_0: mm_32<Q8_0>(xp, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q4_K: mm_k<Q4_K>(xp, M, wp, row_bytes, bytes, op, N, K); break;
-    case Q5_K: mm_k<Q5_K>(xp, M, wp, row_bytes, bytes, op, N, K); break;
-    default: mm_k<Q6_K>(xp, M, wp, row_bytes, bytes, op, N, K);
-  }
-  return out.view(shape);
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY(optimum_ipex_spec_gguf_vnni, m) { m.def("mm(Tensor x, Tensor blocks, int qtype, int K) -> Tensor"); }
-TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf_vnni, CPU, m) { m.impl("mm", &mm); }
+TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf_vnni, CPU, m) { m.impl("mm", &fast_mm_op<Rows>); }
