@@ -197,7 +197,8 @@ def main(argv=None) -> int:
                     (f"ours int4 fast + int4 fast draft, k={args.k}", int4["fast"], {"assistant_model": int4_draft}),
                     (f"ours GGUF fast + int4 fast draft, k={args.k}", fast, {"assistant_model": int4_draft})]
     if args.with_fp32:
-        fp32 = IPEXModelForCausalLM.from_pretrained(folder, export=True, backend="torch", torch_compile=True)
+        fp32 = IPEXModelForCausalLM.from_pretrained(folder, export=True, backend="torch", torch_dtype=torch.float32,
+                                                    torch_compile=True)
         fp32.compile_chunk_step()
         stock = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
         configs += [("ours fp32 compiled alone", fp32, {}), ("stock transformers fp32", stock, {})]

@@ -171,7 +171,7 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
     if not _torch_at_least(MIN_TORCH_FOR_COMPILE):
         raise ValueError(f"torch_compile=True needs torch >= {MIN_TORCH_FOR_COMPILE} (Inductor's CPU bf16 GEMM "
                          f"template); this is torch {torch.__version__}. Upgrade torch, or drop torch_compile.")
-    unsupported = dense_bf16_compile_unsupported() if weights == "dense" else None
+    unsupported = dense_bf16_compile_unsupported() if weights == "dense" and dtype == torch.bfloat16 else None
     if unsupported:
         raise ValueError(f"torch_compile=True: {unsupported}. Drop torch_compile (the eager bf16 decoder is exact), "
                          "or for a draft use self_draft(weights='int8', torch_compile=True).")

@@ -696,6 +696,8 @@ def test_dense_bf16_compile_is_refused_on_a_cpu_without_onednn_bf16(cpu_without_
         IPEXModelForCausalLM.from_transformers_model(model, backend="torch", torch_compile=True)
     assert compiled_step.dense_bf16_compile_unsupported() is not None
     compiled_step.check_torch_compile("torch", model, torch.bfloat16, "int8")  # no error
+    # fp32 is not bf16: compiling it stays allowed there (it was refused too, found on an AVX2-only EPYC)
+    compiled_step.check_torch_compile("torch", model, torch.float32, "dense")
 
 
 def test_the_prompt_is_prefilled_alone_so_the_first_logits_are_plain_decodings(tmp_path):
