@@ -227,7 +227,8 @@ def fast_kernel() -> Optional[str]:
         if wanted in ("auto", isa) and build.cpu_flags <= flags and _built(build):
             return isa
     missing = FAST_KERNELS[wanted if wanted != "auto" else "avx2"].cpu_flags - flags
-    why = f"needs {', '.join(sorted(missing))}, which this CPU lacks" if missing else "kernel did not build (see the log)"
+    why = (f"needs {', '.join(sorted(missing))}, which this CPU lacks" if missing
+           else "kernel did not build (see the log)")
     logger.warning("The fast GGUF mode %s: GGUF weights multiply in the exact mode.", why)
     return None
 
@@ -237,7 +238,12 @@ def gguf_fast_available() -> bool:
     return fast_kernel() is not None
 
 
+#: where /proc/cpuinfo is not there (not Linux): the flags that torch's own CPU capability implies (no VNNI)
+_CAPABILITY_FLAGS = {"AVX2": {"avx2", "fma", "f16c"}, "AVX512": {"avx2", "fma", "f16c", "avx512f", "avx512bw"}}
+
+
 def _cpu_flags() -> set:
+    """The CPU's flags as /proc/cpuinfo names them; elsewhere those torch's CPU capability implies."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -245,7 +251,7 @@ def _cpu_flags() -> set:
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return set(_CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), ()))
 
 
 def _mm_shape(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:

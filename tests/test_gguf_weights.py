@@ -379,10 +379,12 @@ def force_kernel(monkeypatch):
     def force(name):
         monkeypatch.setenv(gw.KERNEL_VARIABLE, name)
         gw.exact_kernel.cache_clear()
+        gw.fast_kernel.cache_clear()
 
     yield force
     monkeypatch.delenv(gw.KERNEL_VARIABLE, raising=False)
     gw.exact_kernel.cache_clear()
+    gw.fast_kernel.cache_clear()
 
 
 def test_the_kernel_variable_picks_a_kernel_or_refuses(kernel, force_kernel, monkeypatch):
@@ -390,8 +392,10 @@ def test_the_kernel_variable_picks_a_kernel_or_refuses(kernel, force_kernel, mon
     blocks = torch.from_numpy(random_blocks(block, 4, 256, np.random.default_rng(5)))
     force_kernel("reference")
     assert gw.exact_kernel() is None and GGUFLinear(blocks, block, 256).kernel is None
+    assert gw.fast_kernel() is None and not GGUFLinear(blocks, block, 256, mode="fast").fast, "no fast mode either"
     force_kernel("AVX2 ")  # case and spaces forgiven
     assert gw.exact_kernel() == "avx2" and GGUFLinear(blocks, block, 256).kernel == "avx2"
+    assert GGUFLinear(blocks, block, 256, mode="fast").fast_kernel == "avx2"
     force_kernel("sse4")
     with pytest.raises(ValueError, match="OPTIMUM_IPEX_SPEC_GGUF_KERNEL='sse4' is not one of auto, avx512, avx2"):
         gw.exact_kernel()
@@ -400,7 +404,13 @@ def test_the_kernel_variable_picks_a_kernel_or_refuses(kernel, force_kernel, mon
     with pytest.raises(RuntimeError, match="this CPU lacks avx512bw, avx512f: unset it"):
         gw.exact_kernel()
     force_kernel("auto")
-    assert gw.exact_kernel() == "avx2"
+    assert gw.exact_kernel() == "avx2" and gw.fast_kernel() == "avx2"
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc/cpuinfo here")
+
+    monkeypatch.setattr(gw, "open", no_proc, raising=False)  # the module's open: builtins stay untouched
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert gw._cpu_flags() == {"avx2", "fma", "f16c"}, "without /proc/cpuinfo: torch's capability"
 
 
 @pytest.mark.parametrize("name", [*gw.EXACT_KERNELS, "reference"])

@@ -260,28 +260,33 @@ void row_k(const Activations& xa, int64_t count, const uint8_t* row, int64_t byt
   for (int64_t m = 0; m < rows_x; m++) out[m * ldo] = sum_lanes(acc[m]) - mins[m];
 }
 
+// one weight row of QT times every row of x: row_k for the K types, row_32 for the others (only the one that fits
+// QT is instantiated)
+template <int64_t QT, int MB>
+inline void weight_row(const Activations& xa, int64_t count, const uint8_t* w, int64_t bytes, float* out, int64_t ldo,
+                __m256* acc_memory, float* min_memory) {
+  if constexpr (QT == Q4_K || QT == Q5_K || QT == Q6_K)
+    row_k<QT, MB>(xa, count, w, bytes, out, ldo, acc_memory, min_memory);
+  else
+    row_32<QT, MB>(xa, count, w, bytes, out, ldo, acc_memory, min_memory);
+}
+
 template <int64_t QT>
 void mm_rows(const float* x, int64_t M, const uint8_t* wp, int64_t row_bytes, int64_t bytes, float* op, int64_t N,
              int64_t K) {
-  const bool k_type = QT == Q4_K || QT == Q5_K || QT == Q6_K;
-  const Activations xa(x, M, K, k_type ? 256 : 32);
+  const Activations xa(x, M, K, QT == Q4_K || QT == Q5_K || QT == Q6_K ? 256 : 32);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<__m256> acc(M > 4 ? M : 0);  // more than 4 rows of x (a prefill): accumulators in memory
     std::vector<float> mins(M > 4 ? M : 0);
     for (int64_t n = begin; n < end; n++) {
-      const uint8_t* row = wp + n * row_bytes;
+      const uint8_t* w = wp + n * row_bytes;
       float* o = op + n;
-      auto one = k_type ? row_k<QT, 1> : row_32<QT, 1>;
-      auto two = k_type ? row_k<QT, 2> : row_32<QT, 2>;
-      auto three = k_type ? row_k<QT, 3> : row_32<QT, 3>;
-      auto four = k_type ? row_k<QT, 4> : row_32<QT, 4>;
-      auto many = k_type ? row_k<QT, 0> : row_32<QT, 0>;
       switch (M) {
-        case 1: one(xa, 1, row, bytes, o, N, nullptr, nullptr); break;
-        case 2: two(xa, 2, row, bytes, o, N, nullptr, nullptr); break;
-        case 3: three(xa, 3, row, bytes, o, N, nullptr, nullptr); break;
-        case 4: four(xa, 4, row, bytes, o, N, nullptr, nullptr); break;
-        default: many(xa, M, row, bytes, o, N, acc.data(), mins.data());
+        case 1: weight_row<QT, 1>(xa, 1, w, bytes, o, N, nullptr, nullptr); break;
+        case 2: weight_row<QT, 2>(xa, 2, w, bytes, o, N, nullptr, nullptr); break;
+        case 3: weight_row<QT, 3>(xa, 3, w, bytes, o, N, nullptr, nullptr); break;
+        case 4: weight_row<QT, 4>(xa, 4, w, bytes, o, N, nullptr, nullptr); break;
+        default: weight_row<QT, 0>(xa, M, w, bytes, o, N, acc.data(), mins.data());
       }
     }
   });

@@ -1,6 +1,7 @@
-// The GGUF block formats the exact kernels read (gguf_gemm.cpp for AVX-512, gguf_gemm_avx2.cpp for AVX2): ggml's
-// type ids, the size of a block, the scalar pieces of its layout, and the checks every operator makes on its
-// arguments. Needs F16C (the fp16 scales are converted with it, exactly: every fp16 is an fp32).
+// The GGUF block formats every kernel reads (exact: gguf_gemm.cpp for AVX-512, gguf_gemm_avx2.cpp for AVX2; fast:
+// gguf_gemm_vnni.cpp, gguf_fast_avx2.cpp): ggml's type ids, the size of a block, the scalar pieces of its layout,
+// the checks every operator makes on its arguments, and the operators' shells. Needs F16C (the fp16 scales are
+// converted with it, exactly: every fp16 is an fp32). Each instruction set's kernels are their own extension.
 //
 // Block layouts (ggml's, llama.cpp ggml/src/ggml-common.h; values in gguf-py's order):
 //   Q4_0 32 values, 18 bytes: fp16 d, 16 bytes of nibbles         w = d * (q - 8)

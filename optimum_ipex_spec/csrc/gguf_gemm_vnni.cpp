@@ -333,7 +333,7 @@ struct Rows {
   template <int64_t QT>
   static void mm(const float* x, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t bytes, float* out, int64_t N,
                  int64_t K) {
-    if (QT == Q4_K || QT == Q5_K || QT == Q6_K)
+    if constexpr (QT == Q4_K || QT == Q5_K || QT == Q6_K)
       mm_k<QT>(x, M, w, row_bytes, bytes, out, N, K);
     else
       mm_32<QT>(x, M, w, row_bytes, bytes, out, N, K);
