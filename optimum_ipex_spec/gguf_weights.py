@@ -94,6 +94,22 @@ def row_bytes(block: BlockType, k: int) -> int:
 # ----------------------------------------------------------------------------------------------- the kernel
 
 
+def _mm_shape(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+
+def _mm_interleaved_shape(x: torch.Tensor, groups: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], 16 * groups.shape[0]))
+
+
+def _deinterleave_shape(groups: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return groups.new_empty((16 * groups.shape[0], row_bytes(BLOCK_TYPES[qtype], k)))
+
+
+def _dequantize_shape(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    return blocks.new_empty((blocks.shape[0], k), dtype=torch.float32)
+
+
 _CSRC = Path(__file__).parent / "csrc"
 
 
@@ -108,7 +124,7 @@ class Build:
     namespace: str
     cflags: tuple
     cpu_flags: frozenset
-    fakes: tuple  # (operator, shape function name)
+    fakes: tuple  # (operator, shape function)
 
 
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
@@ -116,9 +132,9 @@ _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 EXACT_KERNELS = {
     "avx512": Build(("gguf_gemm.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf",
                     ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c"), frozenset({"avx512f", "avx512bw", "fma", "f16c"}),
-                    (("mm", "_mm_shape"), ("dequantize", "_dequantize_shape"))),
+                    (("mm", _mm_shape), ("dequantize", _dequantize_shape))),
     "avx2": Build(("gguf_gemm_avx2.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf_avx2", _AVX2_FLAGS,
-                  frozenset({"avx2", "fma", "f16c"}), (("mm", "_mm_shape"), ("dequantize", "_dequantize_shape"))),
+                  frozenset({"avx2", "fma", "f16c"}), (("mm", _mm_shape), ("dequantize", _dequantize_shape))),
 }
 #: the fast mode's builds, best first, by instruction set ("avx512": AVX512-VNNI, with the interleaved layout)
 FAST_KERNELS = {
@@ -127,10 +143,10 @@ FAST_KERNELS = {
                     "optimum_ipex_spec_gguf_vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
                                                     "-mf16c"),
                     frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"}),
-                    (("mm", "_mm_shape"), ("mm_interleaved", "_mm_interleaved_shape"),
-                     ("deinterleave", "_deinterleave_shape"))),
+                    (("mm", _mm_shape), ("mm_interleaved", _mm_interleaved_shape),
+                     ("deinterleave", _deinterleave_shape))),
     "avx2": Build(("gguf_fast_avx2.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf_fast_avx2", _AVX2_FLAGS,
-                  frozenset({"avx2", "fma", "f16c"}), (("mm", "_mm_shape"),)),
+                  frozenset({"avx2", "fma", "f16c"}), (("mm", _mm_shape),)),
 }
 #: the environment variable that picks the kernels: "auto" (the default: the best ones this CPU runs), "avx512",
 #: "avx2" (the exact kernel, and the fast mode's, of that instruction set), or "reference" (the PyTorch reference, no
@@ -154,7 +170,7 @@ def _built(build: Build) -> bool:
         load(name, sources=[str(_CSRC / source) for source in build.sources], is_python_module=False, verbose=False,
              extra_cflags=["-O3", *build.cflags, "-ffp-contract=off", *OPENMP], extra_ldflags=OPENMP)
         for operator, shape in build.fakes:
-            torch.library.register_fake(f"{build.namespace}::{operator}")(globals()[shape])
+            torch.library.register_fake(f"{build.namespace}::{operator}")(shape)
     except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja, a build error: all mean "not here"
         text = str(exc).strip().splitlines()
         logger.warning("Could not build the GGUF kernel %s (%s: %s). Install a C++ compiler and ninja (pip install "
@@ -252,22 +268,6 @@ def _cpu_flags() -> set:
     except OSError:
         pass
     return set(_CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), ()))
-
-
-def _mm_shape(x: torch.Tensor, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
-
-
-def _mm_interleaved_shape(x: torch.Tensor, groups: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], 16 * groups.shape[0]))
-
-
-def _deinterleave_shape(groups: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    return groups.new_empty((16 * groups.shape[0], row_bytes(BLOCK_TYPES[qtype], k)))
-
-
-def _dequantize_shape(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
-    return blocks.new_empty((blocks.shape[0], k), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------- the reference

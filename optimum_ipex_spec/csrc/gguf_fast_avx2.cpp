@@ -115,13 +115,6 @@ inline __m256i fifth_bits32(const uint8_t* p) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// the 8 lanes summed in one fixed order: 4-7 + 0-3, then [0] + [2] and [1] + [3], then the two
-inline float sum_lanes(__m256 v) {
-  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
-}
-
 // the fp32 sums of a weight row with each row of x: 8 lanes and the mins' sum apiece, zeroed; in registers for
 // MB = 1-4 rows of x, in the caller's memory for `count` of them (MB = 0)
 template <int MB>
@@ -177,7 +170,7 @@ void row_32(const Activations& xa, int64_t count, const uint8_t* row, int64_t by
       if (QT == Q4_1) mins[m] += mw * dx * static_cast<float>(xa.sums[i]);
     }
   }
-  for (int64_t m = 0; m < rows_x; m++) out[m * ldo] = sum_lanes(acc[m]) + mins[m];
+  for (int64_t m = 0; m < rows_x; m++) out[m * ldo] = sum8(acc[m]) + mins[m];
 }
 
 // One weight row of a K type times every row of x (MB / count as row_32)
@@ -257,7 +250,7 @@ void row_k(const Activations& xa, int64_t count, const uint8_t* row, int64_t byt
       }
     }
   }
-  for (int64_t m = 0; m < rows_x; m++) out[m * ldo] = sum_lanes(acc[m]) - mins[m];
+  for (int64_t m = 0; m < rows_x; m++) out[m * ldo] = sum8(acc[m]) - mins[m];
 }
 
 // one weight row of QT times every row of x: row_k for the K types, row_32 for the others (only the one that fits

@@ -75,6 +75,15 @@ inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t step, int
   for (int64_t i = 0; i < share; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
 }
 
+// 8 fp32 lanes summed in one fixed order: lanes 4-7 + 0-3, then [0] + [2] and [1] + [3], then the two. The exact
+// kernels sum their 16 lanes as sum8(lanes 8-15 + lanes 0-7), so both give the same bits; the AVX2 fast kernel sums
+// its 8 lanes with it too.
+inline float sum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+}
+
 // the format of `qtype`, after checking that `blocks` holds rows of K values in it (an error naming the problem
 // otherwise, raised in Python as a RuntimeError before anything is read)
 inline Format checked_format(const at::Tensor& blocks, int64_t qtype, int64_t K) {

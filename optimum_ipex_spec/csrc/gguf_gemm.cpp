@@ -189,11 +189,8 @@ inline void fma_chain(const float* x, int64_t ldx, const float* w, int64_t ldw, 
 // lanes 8-15 + lanes 0-7, then the upper 4 of those + the lower 4, then [0] + [2] and [1] + [3], then the two;
 // gguf_gemm_avx2.cpp sums its two 8-lane halves in the same order
 inline float sum_lanes(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(
-      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), _mm512_castps512_ps256(v));
-  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
+  return sum8(_mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+                            _mm512_castps512_ps256(v)));
 }
 
 template <int M, int R>

@@ -157,12 +157,7 @@ struct Lanes {
 
 // the 16 lanes summed in gguf_gemm.cpp's order (sum_lanes there): 8-15 + 0-7, upper 4 + lower 4, [0] + [2] and
 // [1] + [3], then the two
-inline float sum_lanes(const Lanes& a) {
-  const __m256 s8 = _mm256_add_ps(a.hi, a.lo);
-  const __m128 s4 = _mm_add_ps(_mm256_extractf128_ps(s8, 1), _mm256_castps256_ps128(s8));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(s2) + _mm_cvtss_f32(_mm_shuffle_ps(s2, s2, 1));
-}
+inline float sum_lanes(const Lanes& a) { return sum8(_mm256_add_ps(a.hi, a.lo)); }
 
 // acc[r] += x[0:n] * w[r][0:n] lane by lane, 16 values a step; w rows kPiece apart
 template <int R>
