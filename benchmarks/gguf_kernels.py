@@ -46,13 +46,11 @@ def main(argv=None) -> int:
         kernels[f"exact ({isa})"] = [functools.partial(gguf_weights.exact_mm, isa, blocks=b, qtype=i.block.qtype,
                                                        k=i.k) for b, i in matrices]
     fast_isa = gguf_weights.fast_kernel()  # "avx512" (VNNI), "avx2" or None
-    if fast_isa == "avx512":
-        fast = torch.ops.optimum_ipex_spec_gguf_vnni
-        kernels["fast (avx512), row-major"] = [functools.partial(fast.mm, blocks=b, qtype=i.block.qtype, K=i.k)
-                                               for b, i in matrices]
     if fast_isa is not None:
-        # as the fast mode holds them (GGUFLinear decides: with VNNI interleaved 16 rows per vector where it can, a
-        # copy; with AVX2 the file's rows)
+        fast = getattr(torch.ops, gguf_weights.FAST_KERNELS[fast_isa].namespace)
+        kernels[f"fast ({fast_isa}), row-major"] = [functools.partial(fast.mm, blocks=b, qtype=i.block.qtype, K=i.k)
+                                                    for b, i in matrices]
+        # as the fast mode holds them (GGUFLinear decides: interleaved 16 rows at a time where it can, a copy)
         kernels[f"fast ({fast_isa})"] = [gguf_weights.GGUFLinear(b, i.block, i.k, mode="fast") for b, i in matrices]
     if not kernels:
         print("no GGUF kernel runs here (AVX2 or AVX-512, and a C++ compiler, are needed)", file=sys.stderr)

@@ -69,9 +69,9 @@ REFERENCE_ROWS = 1024
 MODES = ("exact", "fast")
 #: block types the fast kernel runs (F16 / F32 tensors, and rows not a multiple of 64 values, stay exact)
 FAST_TYPES = (2, 3, 6, 8, 12, 13, 14)
-#: block types the fast mode holds with 16 weight rows per vector (``csrc/gguf_interleaved_vnni.cpp``), in layers of
-#: a multiple of 16 rows: every fast type but Q5_K; their extra rows of x (a verification, a prefill) cost fewer
-#: instructions
+#: block types the fast mode holds with 16 weight rows interleaved (``csrc/gguf_interleaved_layout.h``, multiplied by
+#: ``gguf_interleaved_vnni.cpp`` or ``gguf_interleaved_avx2.cpp``), in layers of a multiple of 16 rows: every fast
+#: type but Q5_K; a row of x, and the extra rows of a verification or a prefill, cost fewer instructions
 INTERLEAVED_TYPES = (2, 3, 6, 8, 12, 14)
 
 
@@ -136,17 +136,19 @@ EXACT_KERNELS = {
     "avx2": Build(("gguf_gemm_avx2.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf_avx2", _AVX2_FLAGS,
                   frozenset({"avx2", "fma", "f16c"}), (("mm", _mm_shape), ("dequantize", _dequantize_shape))),
 }
-#: the fast mode's builds, best first, by instruction set ("avx512": AVX512-VNNI, with the interleaved layout)
+_LAYOUT_FAKES = (("mm_interleaved", _mm_interleaved_shape), ("deinterleave", _deinterleave_shape))
+#: the fast mode's builds, best first, by instruction set, each with its kernel for the interleaved layout
 FAST_KERNELS = {
     "avx512": Build(("gguf_gemm_vnni.cpp", "gguf_interleaved_vnni.cpp"),
-                    ("gguf_formats.h", "gguf_vnni_activations.h"),
+                    ("gguf_formats.h", "gguf_activations.h", "gguf_interleaved_layout.h"),
                     "optimum_ipex_spec_gguf_vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma",
                                                     "-mf16c"),
                     frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"}),
-                    (("mm", _mm_shape), ("mm_interleaved", _mm_interleaved_shape),
-                     ("deinterleave", _deinterleave_shape))),
-    "avx2": Build(("gguf_fast_avx2.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf_fast_avx2", _AVX2_FLAGS,
-                  frozenset({"avx2", "fma", "f16c"}), (("mm", _mm_shape),)),
+                    (("mm", _mm_shape), *_LAYOUT_FAKES)),
+    "avx2": Build(("gguf_fast_avx2.cpp", "gguf_interleaved_avx2.cpp"),
+                  ("gguf_formats.h", "gguf_activations.h", "gguf_interleaved_layout.h"),
+                  "optimum_ipex_spec_gguf_fast_avx2", _AVX2_FLAGS, frozenset({"avx2", "fma", "f16c"}),
+                  (("mm", _mm_shape), *_LAYOUT_FAKES)),
 }
 #: the environment variable that picks the kernels: "auto" (the default: the best ones this CPU runs), "avx512",
 #: "avx2" (the exact kernel, and the fast mode's, of that instruction set), or "reference" (the PyTorch reference, no
@@ -227,9 +229,11 @@ def gguf_kernel_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def fast_kernel() -> Optional[str]:
-    """The fast mode's kernel here: "avx512" (AVX512-VNNI, ``torch.ops.optimum_ipex_spec_gguf_vnni``, layers held
-    interleaved), "avx2" (``torch.ops.optimum_ipex_spec_gguf_fast_avx2``: the same integer sums, the fp32 sums in
-    another order), or None, logged once: the fast mode then multiplies as the exact one does. Decided once per process;
+    """The fast mode's kernel here: "avx512" (AVX512-VNNI, ``torch.ops.optimum_ipex_spec_gguf_vnni``), "avx2"
+    (``torch.ops.optimum_ipex_spec_gguf_fast_avx2``: the same integer sums), or None, logged once: the fast mode then
+    multiplies as the exact one does. Both hold layers of :data:`INTERLEAVED_TYPES` in the interleaved layout, where
+    the two give the same bits; on the file's rows (Q5_K, row counts not a multiple of 16) their fp32 sums run in
+    another order. Decided once per process;
     :data:`KERNEL_VARIABLE` overrides it ("reference": None).
 
     Raises:
@@ -368,10 +372,9 @@ class GGUFLinear(torch.nn.Module):
         #: whether a fast kernel multiplies
         self.fast = self.fast_kernel is not None
         #: whether the layer is held in the interleaved layout (``groups``) instead of row-major ``blocks``
-        self.interleaved = (self.fast_kernel == "avx512" and block.qtype in INTERLEAVED_TYPES
-                            and self.out_features % 16 == 0)
+        self.interleaved = self.fast and block.qtype in INTERLEAVED_TYPES and self.out_features % 16 == 0
         if self.interleaved:
-            groups = torch.ops.optimum_ipex_spec_gguf_vnni.interleave(blocks.contiguous(), self.qtype, in_features)
+            groups = self._ops.interleave(blocks.contiguous(), self.qtype, in_features)
             self.register_buffer("row_major", None, persistent=False)
             self.register_buffer("groups", groups, persistent=False)
         else:
@@ -379,12 +382,17 @@ class GGUFLinear(torch.nn.Module):
             self.register_buffer("groups", None, persistent=False)
 
     @property
+    def _ops(self):
+        """The fast kernel's operators (``mm``, ``interleave``, ``deinterleave``, ``mm_interleaved``)."""
+        return getattr(torch.ops, FAST_KERNELS[self.fast_kernel].namespace)
+
+    @property
     def blocks(self) -> torch.Tensor:
         """uint8 ``[out, row_bytes]``: the GGUF rows (of an interleaved layer: put back, a new tensor, byte for byte
         the rows it was given)."""
         if self.row_major is not None:
             return self.row_major
-        return torch.ops.optimum_ipex_spec_gguf_vnni.deinterleave(self.groups, self.qtype, self.in_features)
+        return self._ops.deinterleave(self.groups, self.qtype, self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """uint8 ``[len(ids), row_bytes]``: the GGUF rows ``ids`` (int64 ``[n]``), e.g. an embedding's lookups (of an
@@ -397,7 +405,7 @@ class GGUFLinear(torch.nn.Module):
         if self.row_major is not None:
             return self.row_major.index_select(0, ids)
         groups = self.groups.index_select(0, torch.div(ids, 16, rounding_mode="floor"))
-        rows = torch.ops.optimum_ipex_spec_gguf_vnni.deinterleave(groups, self.qtype, self.in_features)
+        rows = self._ops.deinterleave(groups, self.qtype, self.in_features)
         return rows.index_select(0, torch.arange(ids.numel()) * 16 + ids % 16)
 
     def extra_repr(self) -> str:
@@ -419,11 +427,9 @@ class GGUFLinear(torch.nn.Module):
             raise ValueError(f"this GGUF layer takes {self.in_features} input features, got x of shape "
                              f"{tuple(x.shape)}")
         if self.interleaved:
-            out = torch.ops.optimum_ipex_spec_gguf_vnni.mm_interleaved(x, self.groups, self.qtype, self.in_features)
-        elif self.fast_kernel == "avx512":
-            out = torch.ops.optimum_ipex_spec_gguf_vnni.mm(x, self.row_major, self.qtype, self.in_features)
-        elif self.fast_kernel == "avx2":
-            out = torch.ops.optimum_ipex_spec_gguf_fast_avx2.mm(x, self.row_major, self.qtype, self.in_features)
+            out = self._ops.mm_interleaved(x, self.groups, self.qtype, self.in_features)
+        elif self.fast:
+            out = self._ops.mm(x, self.row_major, self.qtype, self.in_features)
         else:
             out = exact_mm(self.kernel, x, self.row_major, self.qtype, self.in_features)
         return out if self.bias is None else out + self.bias
@@ -616,7 +622,8 @@ def _check_metadata(gguf: GGUFFile, config) -> None:
     if embedding is not None and embedding.rows != config.vocab_size:
         raise GGUFError(f"{gguf.path}: token_embd.weight has {embedding.rows} rows, the config's vocab_size is "
                         f"{config.vocab_size}: the config does not describe this file")
-    layers = {int(name.split(".")[1]) for name in gguf.tensors if name.startswith("blk.") and name.split(".")[1].isdigit()}
+    layers = {int(name.split(".")[1]) for name in gguf.tensors
+              if name.startswith("blk.") and name.split(".")[1].isdigit()}
     if layers and max(layers) >= config.num_hidden_layers:
         raise GGUFError(f"{gguf.path} has {max(layers) + 1} layers, the config {config.num_hidden_layers}: the config "
                         "does not describe this file")

@@ -511,11 +511,16 @@ def fast_kernel(kernel):
         pytest.skip("the fast GGUF mode needs AVX2 (or AVX512-VNNI) and a C++ compiler here")
 
 
-@pytest.fixture(scope="module")
-def vnni_kernel(fast_kernel):
-    """The interleaved layout: the AVX512-VNNI fast kernel's."""
-    if gw.fast_kernel() != "avx512":
-        pytest.skip("the interleaved layout is the AVX512-VNNI kernel's; this CPU lacks VNNI")
+@pytest.fixture(params=list(gw.FAST_KERNELS))
+def interleaved_ops(request):
+    """Each build of the fast kernel this CPU runs (AVX512-VNNI, AVX2), as its operators: ``interleave``,
+    ``deinterleave``, ``mm_interleaved`` (the interleaved layout) and ``mm`` (the file's rows)."""
+    return getattr(torch.ops, built_here(gw.FAST_KERNELS[request.param]).namespace)
+
+
+def _fast_ops():
+    """The operators of the fast kernel this process picked."""
+    return getattr(torch.ops, gw.FAST_KERNELS[gw.fast_kernel()].namespace)
 
 
 @pytest.fixture(params=list(gw.FAST_KERNELS))
@@ -558,8 +563,8 @@ def test_fast_mode_is_int8_activations_times_the_weights(fast_mm, threads, name)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_the_interleaved_layout_holds_the_same_blocks_and_multiplies_as_the_fast_mode(vnni_kernel, threads, name):
-    block, rng, ops = TYPES[name], np.random.default_rng(7), torch.ops.optimum_ipex_spec_gguf_vnni
+def test_the_interleaved_layout_holds_the_same_blocks_and_multiplies_as_the_fast_mode(interleaved_ops, threads, name):
+    block, rng, ops = TYPES[name], np.random.default_rng(7), interleaved_ops
     group_bytes = {"Q4_K": 2368, "Q6_K": 3392}.get(name, 16 * block.bytes)  # per 16 rows and block (super-block)
     for rows, k in ((48, 512), (16, 768 if block.values == 256 else 192)):
         blocks = random_blocks(block, rows, k, rng)
@@ -580,7 +585,22 @@ def test_the_interleaved_layout_holds_the_same_blocks_and_multiplies_as_the_fast
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_a_fast_layer_is_held_interleaved_and_looks_up_rows(vnni_kernel, name):
+def test_both_interleaved_kernels_give_the_same_bits(name):
+    """On the interleaved layout the AVX2 kernel computes the VNNI kernel's integer sums and then the same fp32
+    operations per lane, so a model in the fast mode gives the same tokens on either CPU (checked where both run)."""
+    vnni = getattr(torch.ops, built_here(gw.FAST_KERNELS["avx512"]).namespace)
+    avx2 = getattr(torch.ops, built_here(gw.FAST_KERNELS["avx2"]).namespace)
+    block, rng = TYPES[name], np.random.default_rng(11)
+    k = 512
+    blocks = torch.from_numpy(random_blocks(block, 32, k, rng))
+    groups = avx2.interleave(blocks, block.qtype, k)
+    assert torch.equal(groups, vnni.interleave(blocks, block.qtype, k)), "one layout"
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(avx2.mm_interleaved(x, groups, block.qtype, k), vnni.mm_interleaved(x, groups, block.qtype, k))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_fast_layer_is_held_interleaved_and_looks_up_rows(fast_kernel, name):
     block, rng = TYPES[name], np.random.default_rng(8)
     blocks = torch.from_numpy(random_blocks(block, 64, 256, rng))
     layer = GGUFLinear(blocks, block, 256, mode="fast")
@@ -591,11 +611,10 @@ def test_a_fast_layer_is_held_interleaved_and_looks_up_rows(vnni_kernel, name):
     ids = torch.tensor([[0, 17, 63, 17], [15, 16, 17, 0]])  # repeated ids, several in one group of 16
     assert torch.equal(GGUFEmbedding(layer)(ids), weight[ids]), "a tied table's lookups, from the interleaved layout"
     x = torch.randn(3, 256)
-    assert torch.equal(layer(x), torch.ops.optimum_ipex_spec_gguf_vnni.mm_interleaved(x, layer.groups, block.qtype,
-                                                                                       256))
+    assert torch.equal(layer(x), _fast_ops().mm_interleaved(x, layer.groups, block.qtype, 256))
 
 
-def test_a_fast_layer_stays_row_major_where_it_cannot_interleave(vnni_kernel):
+def test_a_fast_layer_stays_row_major_where_it_cannot_interleave(fast_kernel):
     block, rng = TYPES["Q6_K"], np.random.default_rng(8)
     blocks = torch.from_numpy(random_blocks(block, 64, 256, rng))
     assert not GGUFLinear(blocks[:40], block, 256, mode="fast").interleaved, "40 rows: not a multiple of 16"
@@ -604,8 +623,8 @@ def test_a_fast_layer_stays_row_major_where_it_cannot_interleave(vnni_kernel):
                           mode="fast").interleaved, "Q5_K stays row-major"
 
 
-def test_the_interleaved_operators_refuse_what_they_cannot_hold(vnni_kernel):
-    ops, rng = torch.ops.optimum_ipex_spec_gguf_vnni, np.random.default_rng(9)
+def test_the_interleaved_operators_refuse_what_they_cannot_hold(interleaved_ops):
+    ops, rng = interleaved_ops, np.random.default_rng(9)
     q4k = torch.from_numpy(random_blocks(TYPES["Q4_K"], 40, 256, rng))
     with pytest.raises(RuntimeError, match=r"contiguous uint8 \[16 n, 144\]"):
         ops.interleave(q4k, 12, 256)  # 40 rows: not whole groups of 16
@@ -620,7 +639,7 @@ def test_the_interleaved_operators_refuse_what_they_cannot_hold(vnni_kernel):
         ops.mm_interleaved(torch.randn(1, 512), groups, 12, 512)
 
 
-def test_in_the_fast_mode_an_untied_table_stays_as_the_files_rows(vnni_kernel, tiny_gguf):
+def test_in_the_fast_mode_an_untied_table_stays_as_the_files_rows(fast_kernel, tiny_gguf):
     folder, _ = tiny_gguf("qwen2")  # untied: a Q8_0 table and a Q6_K head
     target = IPEXModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", gguf_mode="fast")
     table, head = target.model.model.embed_tokens.table, target.model.lm_head
@@ -647,11 +666,11 @@ def test_speculation_over_a_fast_mode_target_is_lossless(fast_kernel, qwen_gguf,
     assert torch.equal(target.generate(PROMPT, max_new_tokens=24, do_sample=False, **extra), alone), kind
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # untied (table row-major) and tied (with VNNI: interleaved)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # untied (table row-major) and tied (interleaved)
 def test_sampling_and_lookup_over_a_fast_target(fast_kernel, tiny_gguf, arch):
     folder, path = tiny_gguf(arch)
     target = IPEXModelForCausalLM.from_pretrained(path, gguf_mode="fast")
-    assert target.model.lm_head.fast and target.model.lm_head.interleaved == (gw.fast_kernel() == "avx512")
+    assert target.model.lm_head.fast and target.model.lm_head.interleaved
     alone = target.generate(PROMPT, max_new_tokens=24, do_sample=False)
     assert torch.equal(target.generate(PROMPT, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=5), alone)
     draft = IPEXModelForCausalLM.from_pretrained(folder, export=True, weights="int8")

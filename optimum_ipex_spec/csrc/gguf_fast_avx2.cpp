@@ -31,42 +31,16 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_activations.h"
 #include "gguf_formats.h"
 
 namespace {
 
 using namespace optimum_ipex_spec_gguf_formats;
+using optimum_ipex_spec_activations::quantize_group;
 
 // how far ahead of the block being read a row prefetches (bytes; a prefetch never faults past a tensor's end)
 constexpr int64_t kAhead = 2048;
-
-// values x[0..n) (n a multiple of 8) -> int8 codes q and their scale, returned: d = max|x| / 127, q = round(x / d) to
-// nearest even (x * (127 / max|x|), as gguf_vnni_activations.h computes them); a NaN among them gives a NaN scale
-// (so NaN outputs), an infinity an infinite one; a largest |x| so small that 127 / max|x| overflows gives codes 0
-inline float quantize_group(const float* x, int64_t n, int8_t* q) {
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  __m256 amax = _mm256_setzero_ps();
-  int nan = 0;
-  for (int64_t k = 0; k < n; k += 8) {
-    const __m256 v = _mm256_loadu_ps(x + k);
-    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, amax);
-  float top = lanes[0];
-  for (int i = 1; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
-  if (nan) top = NAN;
-  const float ratio = top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f;
-  const __m256 inv = _mm256_set1_ps(std::isfinite(ratio) ? ratio : 0.0f);
-  for (int64_t k = 0; k < n; k += 8) {
-    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv));  // |v| <= 127
-    alignas(32) int32_t w[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(w), v);
-    for (int i = 0; i < 8; i++) q[k + i] = static_cast<int8_t>(w[i]);
-  }
-  return top / 127.0f;
-}
 
 // Every row of x as int8 codes in natural order, a scale per `group` values and the code sums per 32
 struct Activations {

@@ -32,15 +32,15 @@
 #include <vector>
 
 #include "gguf_formats.h"
-#include "gguf_vnni_activations.h"
+#include "gguf_activations.h"
 
 namespace {
 
 using optimum_ipex_spec_gguf_formats::fast_mm_op;
 
-using optimum_ipex_spec_vnni::KActivations;
-using optimum_ipex_spec_vnni::half;
-using optimum_ipex_spec_vnni::quantize_group;
+using optimum_ipex_spec_activations::KActivations;
+using optimum_ipex_spec_activations::quantize_group;
+using optimum_ipex_spec_gguf_formats::half;
 
 using optimum_ipex_spec_gguf_formats::Q4_0;
 using optimum_ipex_spec_gguf_formats::Q4_1;

@@ -5,29 +5,11 @@
 // row-major kernel (gguf_gemm_vnni.cpp) spends a vpmaddubsw and a vpmaddwd (K types) or a vpdpbusd and a conversion
 // and multiply-add per 64 values (the others): the rows of a verification or a prefill cost less beside the weight
 // reads they share. The same arithmetic as that kernel: activations rounded to int8 per 256 values (K types) or 32
-// (gguf_vnni_activations.h), integer sums per (sub-)block, exact; fp32 multiply-adds by the scales per super-block
+// (gguf_activations.h), integer sums per (sub-)block, exact; fp32 multiply-adds by the scales per super-block
 // (K types) or block; only where those fp32 operations round differs.
 //
-// Operators (namespace optimum_ipex_spec_gguf_vnni), U = 256 values per unit for the K types, 32 for the others:
-//   interleave(blocks uint8 [N, row_bytes], qtype, K) -> uint8 [N / 16, K / U * group_bytes]
-//   deinterleave(groups uint8 [G, K / U * group_bytes], qtype, K) -> uint8 [16 G, row_bytes] (the GGUF rows back,
-//       byte for byte)
-//   mm_interleaved(x fp32 [M, K], groups, qtype, K) -> fp32 [M, 16 G]
-//
-// Layout of 16 rows x one unit (group_bytes: Q4_K 2368 = 16 x 148, Q6_K 3392 = 16 x 212, the others 16 times a
-// row's block), in the order the kernel reads it:
-//   Q4_K: d fp16 [16] @0, dmin fp16 [16] @32, scales uint8 [8 sub-blocks][16 rows] @64, mins uint8
-//         [4 pairs][16 rows][2] @192, codes @320: [8 sub-blocks of 32][4][16 rows][4 bytes], byte b of piece t holds
-//         value 8t + b in its low nibble and 8t + 4 + b in its high one.
-//   Q6_K: codes @0: [8 blocks of 32] x (low 4 bits [4][16 rows][4 bytes] as Q4_K's codes, then top 2 bits
-//         [2][16 rows][4 bytes]: bits 2k..2k+1 of byte b of piece h those of value 16h + 4k + b of the block),
-//         scales int8 [8 pairs][16 rows][2] @3072, d fp16 [16] @3328, 32 bytes of padding (whole cache lines). A
-//         scale per 16 values; the codes are q + 32.
-//   Q4_0, Q4_1, Q5_0: codes as Q4_K's 32 values @0 (256 bytes; q + 8, q, q + 16), Q5_0's fifth bits @256 ([16 rows]
-//         [4 bytes], bit v of byte i that of value 4v + i), then d fp16 [16] (Q4_1: and m fp16 [16]).
-//   Q8_0: codes + 128 as [8][16 rows][4 bytes] @0 (512 bytes), d fp16 [16] @512.
-// Q4_K's 12 bytes of packed 6-bit scales and minimums become 16 single bytes (4 more bytes per row: 2.8%); Q6_K
-// gains 2 bytes per row (1%) of padding; the blocks of 32 keep their bytes.
+// Operators (namespace optimum_ipex_spec_gguf_vnni): interleave, deinterleave and mm_interleaved, the layout and its
+// shapes as gguf_interleaved_layout.h describes them.
 //
 // Each output is the same sequence of operations whatever the number of rows of x (1-4 accumulate in registers,
 // more in memory), so speculative verification over this layout returns the target's own greedy tokens. Groups of
@@ -42,45 +24,19 @@
 #include <cstring>
 #include <vector>
 
-#include "gguf_vnni_activations.h"
+#include "gguf_activations.h"
+#include "gguf_interleaved_layout.h"
 
 namespace {
 
-using optimum_ipex_spec_vnni::KActivations;
+using optimum_ipex_spec_activations::Activations32;
+using optimum_ipex_spec_activations::KActivations;
+using namespace optimum_ipex_spec_gguf_layout;
 
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
-
-constexpr int64_t kQ4KRow = 144, kQ6KRow = 210;        // bytes of one row's super-block in the GGUF file
-constexpr int64_t kQ4KGroup = 2368, kQ6KGroup = 3392;  // bytes of 16 rows' super-blocks here (whole cache lines)
-// where a Q6_K group's scales and d start
-constexpr int64_t kQ6Scales = 3072, kQ6D = 3328;
-// bytes per 32 values of 16 rows: Q4_K's codes; Q6_K's low bits then top bits, read in the order they are stored
-constexpr int64_t kQ4KBlock = 256, kQ6KBlock = 384;
 // How far ahead of the bytes being read the K types' kernel prefetches, spread over the reads (one prefetch per 64
 // bytes): one group's super-block for Q4_K, two of Q4_K's for Q6_K (chosen by timing on one CPU: docs/gguf.md)
 template <int64_t QT>
 constexpr int64_t kAhead = QT == Q4_K ? kQ4KGroup : 2 * kQ4KGroup;
-
-constexpr bool k_type(int64_t qtype) { return qtype == Q4_K || qtype == Q6_K; }
-// values per unit: a super-block (K types) or a block (the others)
-constexpr int64_t unit_values(int64_t qtype) { return k_type(qtype) ? 256 : 32; }
-// bytes of one row's unit in the GGUF file
-constexpr int64_t row_unit_bytes(int64_t qtype) {
-  switch (qtype) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q8_0: return 34;
-    case Q4_K: return kQ4KRow;
-    default: return kQ6KRow;
-  }
-}
-// bytes of 16 rows' unit here (the blocks of 32: 16 times a row's, rearranged)
-constexpr int64_t group_bytes(int64_t qtype) {
-  return qtype == Q4_K ? kQ4KGroup : qtype == Q6_K ? kQ6KGroup : 16 * row_unit_bytes(qtype);
-}
-// bytes of a block of 32's codes for 16 rows (the blocks of 32), before their scales
-constexpr int64_t code_bytes32(int64_t qtype) { return qtype == Q8_0 ? 512 : qtype == Q5_0 ? 320 : 256; }
 
 template <int64_t QT>
 inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead<QT>, _MM_HINT_T0); }
@@ -90,260 +46,6 @@ inline __m512i broadcast4(const int8_t* p) {
   int32_t word;
   std::memcpy(&word, p, 4);
   return _mm512_set1_epi32(word);
-}
-
-// ------------------------------------------------------------------------------------------------ the layout
-// One row's super-block as 256 unsigned codes and its scales (Q4_K: 8 scales, 8 minimums; Q6_K: 16 int8 scales),
-// and back. Q4_K: a 64-value chunk c is bytes 32c..32c+31 of qs, values 64c + l (low nibble) and 64c + 32 + l
-// (high); the 6-bit scales and minimums as ggml packs them. Q6_K: ggml's ql / qh / scales / d.
-void split_q4k(const uint8_t* b, uint8_t* codes, uint8_t* sc, uint8_t* mn) {
-  const uint8_t* q = b + 4;
-  for (int j = 0; j < 8; j++) {
-    if (j < 4) {
-      sc[j] = q[j] & 63;
-      mn[j] = q[j + 4] & 63;
-    } else {
-      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-  }
-  const uint8_t* qs = b + 16;
-  for (int c = 0; c < 4; c++)
-    for (int l = 0; l < 32; l++) {
-      codes[64 * c + l] = qs[32 * c + l] & 0xF;
-      codes[64 * c + 32 + l] = qs[32 * c + l] >> 4;
-    }
-}
-
-void join_q4k(const uint8_t* codes, const uint8_t* sc, const uint8_t* mn, uint8_t* b) {
-  uint8_t* q = b + 4;
-  for (int j = 0; j < 4; j++) {
-    q[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
-    q[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
-    q[j + 8] = (sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4);
-  }
-  uint8_t* qs = b + 16;
-  for (int c = 0; c < 4; c++)
-    for (int l = 0; l < 32; l++) qs[32 * c + l] = codes[64 * c + l] | (codes[64 * c + 32 + l] << 4);
-}
-
-void split_q6k(const uint8_t* b, uint8_t* codes) {
-  for (int half = 0; half < 2; half++) {
-    const uint8_t* ql = b + 64 * half;
-    const uint8_t* qh = b + 128 + 32 * half;
-    uint8_t* y = codes + 128 * half;
-    for (int l = 0; l < 32; l++) {
-      y[l] = (ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4);
-      y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
-      y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-      y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-    }
-  }
-}
-
-void join_q6k(const uint8_t* codes, uint8_t* b) {
-  for (int half = 0; half < 2; half++) {
-    uint8_t* ql = b + 64 * half;
-    uint8_t* qh = b + 128 + 32 * half;
-    const uint8_t* y = codes + 128 * half;
-    for (int l = 0; l < 32; l++) {
-      ql[l] = (y[l] & 0xF) | ((y[l + 64] & 0xF) << 4);
-      ql[l + 32] = (y[l + 32] & 0xF) | ((y[l + 96] & 0xF) << 4);
-      qh[l] = (y[l] >> 4) | ((y[l + 32] >> 4) << 2) | ((y[l + 64] >> 4) << 4) | ((y[l + 96] >> 4) << 6);
-    }
-  }
-}
-
-// codes[256] of row r into the blocks of 32 values at p, `stride` bytes each: the 4-bit pieces (Q4_K's codes, Q6_K's
-// low bits) and, with `high` (Q6_K), the top bits after them
-void place_codes(const uint8_t* codes, int r, uint8_t* p, int64_t stride, bool high) {
-  for (int j = 0; j < 8; j++)
-    for (int t = 0; t < 4; t++)
-      for (int b = 0; b < 4; b++) {
-        const uint8_t lo = codes[32 * j + 8 * t + b], hi = codes[32 * j + 8 * t + 4 + b];
-        p[stride * j + 64 * t + 4 * r + b] = (lo & 0xF) | ((hi & 0xF) << 4);
-      }
-  if (!high) return;
-  for (int j = 0; j < 8; j++)
-    for (int piece = 0; piece < 2; piece++)
-      for (int b = 0; b < 4; b++) {
-        uint8_t v = 0;
-        for (int k = 0; k < 4; k++) v |= (codes[32 * j + 16 * piece + 4 * k + b] >> 4) << (2 * k);
-        p[stride * j + 256 + 64 * piece + 4 * r + b] = v;
-      }
-}
-
-void take_codes(const uint8_t* p, int64_t stride, bool high, int r, uint8_t* codes) {
-  for (int j = 0; j < 8; j++)
-    for (int t = 0; t < 4; t++)
-      for (int b = 0; b < 4; b++) {
-        const uint8_t byte = p[stride * j + 64 * t + 4 * r + b];
-        codes[32 * j + 8 * t + b] = byte & 0xF;
-        codes[32 * j + 8 * t + 4 + b] = byte >> 4;
-      }
-  if (!high) return;
-  for (int j = 0; j < 8; j++)
-    for (int piece = 0; piece < 2; piece++)
-      for (int b = 0; b < 4; b++) {
-        const uint8_t v = p[stride * j + 256 + 64 * piece + 4 * r + b];
-        for (int k = 0; k < 4; k++) codes[32 * j + 16 * piece + 4 * k + b] |= ((v >> (2 * k)) & 3) << 4;
-      }
-}
-
-// One row's super-block b (GGUF bytes) into slot r of a group's super-block g, or back (to_group false)
-void move_row(int64_t qtype, uint8_t* b, int r, uint8_t* g, bool to_group) {
-  uint8_t codes[256], sc[16], mn[8];
-  if (qtype == Q4_K) {
-    if (to_group) {
-      split_q4k(b, codes, sc, mn);
-      std::memcpy(g + 2 * r, b, 2);
-      std::memcpy(g + 32 + 2 * r, b + 2, 2);
-      for (int j = 0; j < 8; j++) g[64 + 16 * j + r] = sc[j];
-      for (int pair = 0; pair < 4; pair++) {
-        g[192 + 32 * pair + 2 * r] = mn[2 * pair];
-        g[192 + 32 * pair + 2 * r + 1] = mn[2 * pair + 1];
-      }
-      place_codes(codes, r, g + 320, kQ4KBlock, false);
-    } else {
-      take_codes(g + 320, kQ4KBlock, false, r, codes);
-      std::memcpy(b, g + 2 * r, 2);
-      std::memcpy(b + 2, g + 32 + 2 * r, 2);
-      for (int j = 0; j < 8; j++) sc[j] = g[64 + 16 * j + r];
-      for (int pair = 0; pair < 4; pair++) {
-        mn[2 * pair] = g[192 + 32 * pair + 2 * r];
-        mn[2 * pair + 1] = g[192 + 32 * pair + 2 * r + 1];
-      }
-      join_q4k(codes, sc, mn, b);
-    }
-  } else {
-    if (to_group) {
-      split_q6k(b, codes);
-      std::memcpy(g + kQ6D + 2 * r, b + 208, 2);
-      for (int pair = 0; pair < 8; pair++) {
-        g[kQ6Scales + 32 * pair + 2 * r] = b[192 + 2 * pair];
-        g[kQ6Scales + 32 * pair + 2 * r + 1] = b[192 + 2 * pair + 1];
-      }
-      place_codes(codes, r, g, kQ6KBlock, true);
-    } else {
-      take_codes(g, kQ6KBlock, true, r, codes);
-      std::memcpy(b + 208, g + kQ6D + 2 * r, 2);
-      for (int pair = 0; pair < 8; pair++) {
-        b[192 + 2 * pair] = g[kQ6Scales + 32 * pair + 2 * r];
-        b[192 + 2 * pair + 1] = g[kQ6Scales + 32 * pair + 2 * r + 1];
-      }
-      join_q6k(codes, b);
-    }
-  }
-}
-
-// One row's block of 32 values (GGUF bytes b) into slot r of a group's block g, or back (to_group false): codes as
-// Q4_K's 32 values (4-bit types), Q5_0's fifth bits at 256, Q8_0's codes + 128 as [8][16 rows][4 bytes]; then d
-// fp16 [16] (and Q4_1's m fp16 [16]).
-void move_row32(int64_t qtype, uint8_t* b, int r, uint8_t* g, bool to_group) {
-  uint8_t* d = g + code_bytes32(qtype);
-  if (to_group) {
-    std::memcpy(d + 2 * r, b, 2);
-    if (qtype == Q4_1) std::memcpy(d + 32 + 2 * r, b + 2, 2);
-  } else {
-    std::memcpy(b, d + 2 * r, 2);
-    if (qtype == Q4_1) std::memcpy(b + 2, d + 32 + 2 * r, 2);
-  }
-  if (qtype == Q8_0) {
-    for (int v = 0; v < 8; v++)
-      for (int i = 0; i < 4; i++) {
-        uint8_t& here = g[64 * v + 4 * r + i];
-        uint8_t& there = b[2 + 4 * v + i];
-        if (to_group) here = there ^ 0x80;
-        else there = here ^ 0x80;
-      }
-    return;
-  }
-  const int64_t at = qtype == Q4_0 ? 2 : qtype == Q4_1 ? 4 : 6;  // where the nibbles start
-  uint8_t codes[32];
-  uint32_t high = 0;
-  if (to_group) {
-    for (int l = 0; l < 16; l++) {
-      codes[l] = b[at + l] & 0xF;
-      codes[l + 16] = b[at + l] >> 4;
-    }
-    if (qtype == Q5_0) std::memcpy(&high, b + 2, 4);
-    for (int t = 0; t < 4; t++)
-      for (int i = 0; i < 4; i++) g[64 * t + 4 * r + i] = codes[8 * t + i] | (codes[8 * t + 4 + i] << 4);
-    if (qtype == Q5_0)
-      for (int i = 0; i < 4; i++) {
-        uint8_t bits = 0;  // bit v: the fifth bit of value 4v + i
-        for (int v = 0; v < 8; v++) bits |= ((high >> (4 * v + i)) & 1) << v;
-        g[256 + 4 * r + i] = bits;
-      }
-  } else {
-    for (int t = 0; t < 4; t++)
-      for (int i = 0; i < 4; i++) {
-        codes[8 * t + i] = g[64 * t + 4 * r + i] & 0xF;
-        codes[8 * t + 4 + i] = g[64 * t + 4 * r + i] >> 4;
-      }
-    for (int l = 0; l < 16; l++) b[at + l] = codes[l] | (codes[l + 16] << 4);
-    if (qtype == Q5_0) {
-      for (int i = 0; i < 4; i++)
-        for (int v = 0; v < 8; v++) high |= static_cast<uint32_t>((g[256 + 4 * r + i] >> v) & 1) << (4 * v + i);
-      std::memcpy(b + 2, &high, 4);
-    }
-  }
-}
-
-void check_type(int64_t qtype, int64_t K) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0 || k_type(qtype),
-              "gguf interleaved layout: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K or Q6_K, got ", qtype);
-  TORCH_CHECK(K > 0 && K % unit_values(qtype) == 0 && K <= (int64_t{1} << 24), "gguf interleaved layout: K=", K,
-              " is not a positive multiple of ", unit_values(qtype), " up to 2^24");
-}
-
-void move_unit(int64_t qtype, uint8_t* b, int r, uint8_t* g, bool to_group) {
-  if (k_type(qtype)) move_row(qtype, b, r, g, to_group);
-  else move_row32(qtype, b, r, g, to_group);
-}
-
-at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, int64_t K) {
-  check_type(qtype, K);
-  const int64_t supers = K / unit_values(qtype), ub = row_unit_bytes(qtype), rb = supers * ub, gb = group_bytes(qtype);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
-                  blocks.size(1) == rb && blocks.size(0) % 16 == 0,
-              "gguf interleave: blocks must be a contiguous uint8 [16 n, ", rb, "] tensor");
-  const int64_t groups = blocks.size(0) / 16;
-  at::Tensor out = at::zeros({groups, supers * gb}, at::kByte);  // Q6_K's padding zero
-  uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    uint8_t row[kQ6KRow];
-    for (int64_t g = begin; g < end; g++)
-      for (int64_t s = 0; s < supers; s++)
-        for (int r = 0; r < 16; r++) {
-          std::memcpy(row, src + (16 * g + r) * rb + s * ub, ub);
-          move_unit(qtype, row, r, dst + g * supers * gb + s * gb, true);
-        }
-  });
-  return out;
-}
-
-at::Tensor deinterleave(const at::Tensor& groups_in, int64_t qtype, int64_t K) {
-  check_type(qtype, K);
-  const int64_t supers = K / unit_values(qtype), ub = row_unit_bytes(qtype), rb = supers * ub, gb = group_bytes(qtype);
-  TORCH_CHECK(groups_in.scalar_type() == at::kByte && groups_in.dim() == 2 && groups_in.size(1) == supers * gb,
-              "gguf deinterleave: groups must be uint8 [n, ", supers * gb, "]");
-  const at::Tensor groups = groups_in.contiguous();
-  const int64_t G = groups.size(0);
-  at::Tensor out = at::empty({16 * G, rb}, at::kByte);
-  uint8_t* src = groups.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> group(gb);
-    for (int64_t g = begin; g < end; g++)
-      for (int64_t s = 0; s < supers; s++) {
-        std::memcpy(group.data(), src + g * supers * gb + s * gb, gb);
-        for (int r = 0; r < 16; r++)
-          move_unit(qtype, dst + (16 * g + r) * rb + s * ub, r, group.data(), false);
-      }
-  });
-  return out;
 }
 
 // ------------------------------------------------------------------------------------------------ the kernel
@@ -448,30 +150,6 @@ void group_rows(const KActivations& xa, int64_t count, const uint8_t* grp, float
   for (int64_t m = 0; m < rows_x; m++) _mm512_storeu_ps(out + m * ldo, accf[m]);
 }
 
-// Activations for the blocks of 32, per row of x: int8 codes in natural order, one scale dx per 32 values (as the
-// row-major kernel rounds them), and per block the code sum: times the weights' zero point (8, 16, 128; an integer)
-// and, for Q4_1, times dx (what the weights' minimums multiply)
-struct Activations32 {
-  int64_t K;
-  std::vector<int8_t> q;
-  std::vector<float> dx, sum_dx;
-  std::vector<int32_t> zero_point;
-
-  Activations32(const float* x, int64_t M, int64_t K_, int64_t qtype)
-      : K(K_), q(M * K_), dx(M * (K_ / 32)), sum_dx(M * (K_ / 32)), zero_point(M * (K_ / 32)) {
-    const int shift = qtype == Q4_0 ? 3 : qtype == Q5_0 ? 4 : qtype == Q8_0 ? 7 : 0;
-    for (int64_t m = 0; m < M; m++)
-      for (int64_t j = 0; j < K / 32; j++) {
-        const int64_t i = m * (K / 32) + j;
-        dx[i] = optimum_ipex_spec_vnni::quantize_group(x + m * K + 32 * j, 32, q.data() + m * K + 32 * j);
-        int32_t sum = 0;
-        for (int v = 0; v < 32; v++) sum += q[m * K + 32 * j + v];
-        zero_point[i] = qtype == Q4_1 ? 0 : sum * (1 << shift);
-        sum_dx[i] = static_cast<float>(sum) * dx[i];
-      }
-  }
-};
-
 // 16 weight rows (one group) of a 32-value type times every row of x (MB in registers or `count` in memory, as
 // group_rows). Per block: the 16 rows' 32 codes as 8 vectors (4 values per lane) and their scales, once; then per row
 // of x 8 vpdpbusd against its broadcast codes, the zero point off the integer sum, one fp32 multiply-add by dw * dx
@@ -551,51 +229,18 @@ void mm_groups(const Activations& xa, int64_t M, const uint8_t* wp, int64_t gb, 
   });
 }
 
-template <int64_t QT>
-void mm_type(const float* x, int64_t M, const uint8_t* wp, int64_t gb, float* op, int64_t G, int64_t K) {
-  if constexpr (QT == Q4_K || QT == Q6_K)
-    mm_groups<QT>(KActivations(x, M, K, false, QT == Q4_K ? 32 : 16), M, wp, gb, op, G);
-  else
-    mm_groups<QT>(Activations32(x, M, K, QT), M, wp, gb, op, G);
-}
-
-at::Tensor mm_interleaved(const at::Tensor& x_in, const at::Tensor& groups, int64_t qtype, int64_t K) {
-  check_type(qtype, K);
-  const int64_t gb = K / unit_values(qtype) * group_bytes(qtype);
-  TORCH_CHECK(groups.scalar_type() == at::kByte && groups.dim() == 2 && groups.is_contiguous() &&
-                  groups.size(1) == gb,
-              "gguf interleaved: groups must be a contiguous uint8 [n, ", gb, "] tensor (from interleave)");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "gguf: x must be float32, got ", x_in.scalar_type());
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "gguf: x must end in ", K, " features");
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), G = groups.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = 16 * G;
-  at::Tensor out = at::empty({M, 16 * G}, at::kFloat);
-  if (M == 0) return out.view(shape);
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = groups.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  switch (qtype) {
-    case Q4_0: mm_type<Q4_0>(xp, M, wp, gb, op, G, K); break;
-    case Q4_1: mm_type<Q4_1>(xp, M, wp, gb, op, G, K); break;
-    case Q5_0: mm_type<Q5_0>(xp, M, wp, gb, op, G, K); break;
-    case Q8_0: mm_type<Q8_0>(xp, M, wp, gb, op, G, K); break;
-    case Q4_K: mm_type<Q4_K>(xp, M, wp, gb, op, G, K); break;
-    default: mm_type<Q6_K>(xp, M, wp, gb, op, G, K);
+// the kernel, for the layout's operator shell (gguf_interleaved_layout.h)
+struct Kernel {
+  template <int64_t QT>
+  static void mm(const float* x, int64_t M, const uint8_t* wp, int64_t gb, float* op, int64_t G, int64_t K) {
+    if constexpr (QT == Q4_K || QT == Q6_K)
+      mm_groups<QT>(KActivations(x, M, K, false, QT == Q4_K ? 32 : 16), M, wp, gb, op, G);
+    else
+      mm_groups<QT>(Activations32(x, M, K, QT), M, wp, gb, op, G);
   }
-  return out.view(shape);
-}
+};
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(optimum_ipex_spec_gguf_vnni, m) {
-  m.def("interleave(Tensor blocks, int qtype, int K) -> Tensor");
-  m.def("deinterleave(Tensor groups, int qtype, int K) -> Tensor");
-  m.def("mm_interleaved(Tensor x, Tensor groups, int qtype, int K) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf_vnni, CPU, m) {
-  m.impl("interleave", &interleave);
-  m.impl("deinterleave", &deinterleave);
-  m.impl("mm_interleaved", &mm_interleaved);
-}
+TORCH_LIBRARY_FRAGMENT(optimum_ipex_spec_gguf_vnni, m) { optimum_ipex_spec_gguf_layout::define_layout(m); }
+TORCH_LIBRARY_IMPL(optimum_ipex_spec_gguf_vnni, CPU, m) { optimum_ipex_spec_gguf_layout::implement_layout<Kernel>(m); }

@@ -1,5 +1,7 @@
-// The fast GGUF mode's activations (shared by gguf_gemm_vnni.cpp and gguf_interleaved_vnni.cpp): each row of x
-// rounded to int8 codes with one fp32 scale per group of values, as llama.cpp's q8_0 / q8_K do.
+// The fast GGUF mode's activations (shared by gguf_gemm_vnni.cpp, gguf_interleaved_vnni.cpp,
+// gguf_interleaved_avx2.cpp and gguf_fast_avx2.cpp): each row of x rounded to int8 codes with one fp32 scale per group
+// of values, as llama.cpp's q8_0 / q8_K do. Compiled with AVX-512 or with AVX2 alone: the same codes and scales either
+// way (the largest magnitude is exact, the product and its rounding to nearest even the same operation per value).
 
 #pragma once
 
@@ -10,17 +12,16 @@
 #include <cstring>
 #include <vector>
 
-namespace optimum_ipex_spec_vnni {
+#include "gguf_formats.h"
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
+namespace optimum_ipex_spec_activations {
+
+using namespace optimum_ipex_spec_gguf_formats;
 
 // values x[0..n) (n a multiple of 16) rounded to int8 codes q with one scale, returned: d = max|x| / 127,
 // q = round(x / d), nearest even; a NaN among them gives a NaN scale (and NaN outputs), an infinity an infinite one
 inline float quantize_group(const float* x, int64_t n, int8_t* q) {
+#ifdef __AVX512F__
   __m512 amax = _mm512_setzero_ps();
   __mmask16 nan = 0;  // max_ps drops a NaN; a NaN activation must give NaN outputs, as the exact mode does
   for (int64_t k = 0; k < n; k += 16) {
@@ -29,13 +30,38 @@ inline float quantize_group(const float* x, int64_t n, int8_t* q) {
     amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
   }
   const float top = nan ? NAN : _mm512_reduce_max_ps(amax);
+#else
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax = _mm256_setzero_ps();
+  int nan = 0;
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float top = lanes[0];
+  for (int i = 1; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+  if (nan) top = NAN;
+#endif
   // a largest |x| below about 4e-37 makes 127 / top infinite: those codes stay 0 (their products are below 1e-36)
   const float ratio = top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f;
-  const __m512 inv = _mm512_set1_ps(std::isfinite(ratio) ? ratio : 0.0f);
+  const float inverse = std::isfinite(ratio) ? ratio : 0.0f;
+#ifdef __AVX512F__
+  const __m512 inv = _mm512_set1_ps(inverse);
   for (int64_t k = 0; k < n; k += 16) {
     const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(v));
   }
+#else
+  const __m256 inv = _mm256_set1_ps(inverse);
+  for (int64_t k = 0; k < n; k += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv));  // |v| <= 127
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(words, words));
+  }
+#endif
   return top / 127.0f;
 }
 
@@ -71,4 +97,28 @@ struct KActivations {
   }
 };
 
-}  // namespace optimum_ipex_spec_vnni
+// Activations for the blocks of 32, per row of x: int8 codes in natural order, one scale dx per 32 values (as the
+// row-major kernel rounds them), and per block the code sum: times the weights' zero point (8, 16, 128; an integer)
+// and, for Q4_1, times dx (what the weights' minimums multiply)
+struct Activations32 {
+  int64_t K;
+  std::vector<int8_t> q;
+  std::vector<float> dx, sum_dx;
+  std::vector<int32_t> zero_point;
+
+  Activations32(const float* x, int64_t M, int64_t K_, int64_t qtype)
+      : K(K_), q(M * K_), dx(M * (K_ / 32)), sum_dx(M * (K_ / 32)), zero_point(M * (K_ / 32)) {
+    const int shift = qtype == Q4_0 ? 3 : qtype == Q5_0 ? 4 : qtype == Q8_0 ? 7 : 0;
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t j = 0; j < K / 32; j++) {
+        const int64_t i = m * (K / 32) + j;
+        dx[i] = quantize_group(x + m * K + 32 * j, 32, q.data() + m * K + 32 * j);
+        int32_t sum = 0;
+        for (int v = 0; v < 32; v++) sum += q[m * K + 32 * j + v];
+        zero_point[i] = qtype == Q4_1 ? 0 : sum * (1 << shift);
+        sum_dx[i] = static_cast<float>(sum) * dx[i];
+      }
+  }
+};
+
+}  // namespace optimum_ipex_spec_activations
