@@ -63,21 +63,24 @@ inline __m256i words(const __m256i* c, const int8_t* xq) {
   return w;
 }
 
-// The accumulators of one row of x for the two halves of a group: fp32 sums, and the integer sums of a super-block
-// (Q4_K's minimums, Q6_K's zero point on the side)
+// The fp32 accumulators of one row of x for the two halves of a group
 struct Acc {
   __m256 f[2];
-  __m256i i[2], side[2];
 };
 
-// 16 weight rows (one group) of a K type times every row of x (`rows_x` of them, accumulators in `acc`). Per
-// super-block, sub-block of 32 values and half: the 8 rows' codes as 8 vectors (4 values per lane), once; then per
-// row of x 8 vpmaddubsw against its broadcast codes, their words added (Q6_K: in pairs), one vpmaddwd by the
-// sub-block's scale (Q6_K: per 16 values); per super-block the minimums (Q4_K) or the zero point 32 (Q6_K) from the
-// activations' code sums (vpmaddwd), then one fp32 multiply-add by d * dx per lane (and one by dmin * dx).
-template <int64_t QT>
-void group_k(const KActivations& xa, int64_t rows_x, const uint8_t* grp, float* out, int64_t ldo, Acc* acc) {
+// 16 weight rows (one group) of a K type times every row of x: MB of them (1-4, accumulators on the stack) or `count`
+// (MB = 0, accumulators in `memory`). Per super-block and half (8 rows), per sub-block of 32 values: the 8 rows'
+// codes as 8 vectors (4 values per lane), once; then per row of x 8 vpmaddubsw against its broadcast codes, their
+// words added (Q6_K: in pairs), one vpmaddwd by the sub-block's scale (Q6_K: per 16 values), summed in int32 over
+// the super-block; then the minimums (Q4_K) or the zero point 32 (Q6_K) from the activations' code sums (vpmaddwd),
+// and one fp32 multiply-add by d * dx per lane (and one by dmin * dx). The half is the outer loop so that a row of
+// x's integer sums stay in registers.
+template <int64_t QT, int MB>
+void group_k(const KActivations& xa, int64_t count, const uint8_t* grp, float* out, int64_t ldo, Acc* memory) {
   const int64_t K = xa.K, supers = K / 256, per = QT == Q4_K ? 32 : 16;
+  Acc registers[MB > 0 ? MB : 1];
+  Acc* acc = MB > 0 ? registers : memory;
+  const int64_t rows_x = MB > 0 ? MB : count;
   for (int64_t m = 0; m < rows_x; m++) acc[m].f[0] = acc[m].f[1] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
   // per 32-bit lane: its low int16 word in both halves, or its high one
@@ -86,18 +89,22 @@ void group_k(const KActivations& xa, int64_t rows_x, const uint8_t* grp, float* 
   const __m256i high_word = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
                                              2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   constexpr int64_t stride = QT == Q4_K ? kQ4KBlock : kQ6KBlock;
+  __m256i sum_registers[MB > 0 ? MB : 1];
+  std::vector<__m256i> sum_memory(MB > 0 ? 0 : rows_x);
+  __m256i* sum = MB > 0 ? sum_registers : sum_memory.data();
   for (int64_t s = 0; s < supers; s++) {
     const uint8_t* p = grp + s * group_bytes(QT);
     const uint8_t* codes = QT == Q4_K ? p + 320 : p;
     const uint8_t* header = QT == Q4_K ? p : p + kQ6Scales;  // d, scales (and Q4_K's minimums)
     for (int64_t o = 0; o < 320; o += 64) prefetch<QT>(header + o);
-    for (int64_t m = 0; m < rows_x; m++)
-      for (int h = 0; h < 2; h++) acc[m].i[h] = acc[m].side[h] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) {
-      for (int t = 0; t < 4; t++) prefetch<QT>(codes + stride * j + 64 * t);
-      if (QT == Q6_K)
-        for (int piece = 0; piece < 2; piece++) prefetch<QT>(codes + stride * j + 256 + 64 * piece);
-      for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < 2; h++) {
+      for (int64_t m = 0; m < rows_x; m++) sum[m] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j++) {
+        if (h == 0) {
+          for (int t = 0; t < 4; t++) prefetch<QT>(codes + stride * j + 64 * t);
+          if (QT == Q6_K)
+            for (int piece = 0; piece < 2; piece++) prefetch<QT>(codes + stride * j + 256 + 64 * piece);
+        }
         __m256i c[8];
         for (int t = 0; t < 4; t++) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + stride * j + 64 * t + 32 * h));
@@ -110,7 +117,7 @@ void group_k(const KActivations& xa, int64_t rows_x, const uint8_t* grp, float* 
           const __m256i sc = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));  // the scale in both words
           for (int64_t m = 0; m < rows_x; m++) {
             const int8_t* xq = xa.q.data() + m * K + 256 * s + 32 * j;
-            acc[m].i[h] = _mm256_add_epi32(acc[m].i[h], _mm256_madd_epi16(words<8>(c, xq), sc));
+            sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(words<8>(c, xq), sc));
           }
         } else {
           // the top 2 bits: value 4k + b of a half (16 values) in bits 2k..2k+1 of byte b; c[v] holds values 4v..4v+3
@@ -123,46 +130,39 @@ void group_k(const KActivations& xa, int64_t rows_x, const uint8_t* grp, float* 
             c[v + 2] = _mm256_or_si256(c[v + 2], _mm256_and_si256(top, top2));
             c[v + 3] = _mm256_or_si256(c[v + 3], _mm256_and_si256(_mm256_srli_epi16(top, 2), top2));
           }
-          // scales 2j and 2j + 1 of the 8 rows as an int16 pair per lane, and each in both words of its lane
+          // scales 2j and 2j + 1 of the 8 rows, each in both int16 words of its row's lane
           const __m256i pair = _mm256_cvtepi8_epi16(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kQ6Scales + 32 * j + 16 * h)));
           const __m256i sc0 = _mm256_shuffle_epi8(pair, low_word), sc1 = _mm256_shuffle_epi8(pair, high_word);
           for (int64_t m = 0; m < rows_x; m++) {
             const int8_t* xq = xa.q.data() + m * K + 256 * s + 32 * j;
-            __m256i sum = _mm256_madd_epi16(words<2>(c, xq), sc0);
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(words<2>(c + 2, xq + 8), sc0));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(words<2>(c + 4, xq + 16), sc1));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(words<2>(c + 6, xq + 24), sc1));
-            acc[m].i[h] = _mm256_add_epi32(acc[m].i[h], sum);
-            int32_t sums;  // the activations' code sums of the two sub-blocks, as two int16
-            std::memcpy(&sums, xa.sums.data() + m * (K / per) + 16 * s + 2 * j, 4);
-            acc[m].side[h] = _mm256_add_epi32(acc[m].side[h], _mm256_madd_epi16(pair, _mm256_set1_epi32(sums)));
+            __m256i t = _mm256_add_epi32(_mm256_madd_epi16(words<2>(c, xq), sc0),
+                                         _mm256_madd_epi16(words<2>(c + 2, xq + 8), sc0));
+            t = _mm256_add_epi32(t, _mm256_madd_epi16(words<2>(c + 4, xq + 16), sc1));
+            t = _mm256_add_epi32(t, _mm256_madd_epi16(words<2>(c + 6, xq + 24), sc1));
+            sum[m] = _mm256_add_epi32(sum[m], t);
           }
         }
       }
-    }
-    for (int h = 0; h < 2; h++) {
       const __m256 d = halves((QT == Q4_K ? p : p + kQ6D) + 16 * h);
-      if (QT == Q4_K) {  // minimums: sum over sub-blocks of min * code sum, two sub-blocks per vpmaddwd
-        for (int pair = 0; pair < 4; pair++) {
-          const __m256i mins =
-              _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192 + 32 * pair + 16 * h)));
-          for (int64_t m = 0; m < rows_x; m++) {
-            int32_t sums;
-            std::memcpy(&sums, xa.sums.data() + m * (K / per) + 8 * s + 2 * pair, 4);
-            acc[m].side[h] = _mm256_add_epi32(acc[m].side[h], _mm256_madd_epi16(mins, _mm256_set1_epi32(sums)));
-          }
+      for (int64_t m = 0; m < rows_x; m++) {
+        // Q4_K: the minimums times the code sums per sub-block; Q6_K: the scales times the code sums per 16 values
+        __m256i side = _mm256_setzero_si256();
+        for (int pair = 0; pair < (QT == Q4_K ? 4 : 8); pair++) {
+          const uint8_t* at = QT == Q4_K ? p + 192 + 32 * pair + 16 * h : p + kQ6Scales + 32 * pair + 16 * h;
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+          const __m256i weights = QT == Q4_K ? _mm256_cvtepu8_epi16(bytes) : _mm256_cvtepi8_epi16(bytes);
+          int32_t sums;  // the activations' code sums of two sub-blocks (Q4_K) or 16-value pieces (Q6_K), as int16
+          std::memcpy(&sums, xa.sums.data() + m * (K / per) + (QT == Q4_K ? 8 : 16) * s + 2 * pair, 4);
+          side = _mm256_add_epi32(side, _mm256_madd_epi16(weights, _mm256_set1_epi32(sums)));
         }
-        const __m256 dmin = halves(p + 32 + 16 * h);
-        for (int64_t m = 0; m < rows_x; m++) {
-          const __m256 dx = _mm256_set1_ps(xa.d[m * supers + s]);
-          acc[m].f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m].i[h]), _mm256_mul_ps(d, dx), acc[m].f[h]);
-          acc[m].f[h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(acc[m].side[h]), _mm256_mul_ps(dmin, dx), acc[m].f[h]);
-        }
-      } else {  // codes are q + 32: take 32 * sum over sub-blocks of scale * code sum
-        for (int64_t m = 0; m < rows_x; m++) {
-          const __m256 dx = _mm256_set1_ps(xa.d[m * supers + s]);
-          const __m256i total = _mm256_sub_epi32(acc[m].i[h], _mm256_slli_epi32(acc[m].side[h], 5));
+        const __m256 dx = _mm256_set1_ps(xa.d[m * supers + s]);
+        if (QT == Q4_K) {
+          const __m256 dmin = halves(p + 32 + 16 * h);
+          acc[m].f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(d, dx), acc[m].f[h]);
+          acc[m].f[h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_mul_ps(dmin, dx), acc[m].f[h]);
+        } else {  // codes are q + 32: take 32 * sum over the pieces of scale * code sum
+          const __m256i total = _mm256_sub_epi32(sum[m], _mm256_slli_epi32(side, 5));
           acc[m].f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[m].f[h]);
         }
       }
@@ -176,9 +176,12 @@ void group_k(const KActivations& xa, int64_t rows_x, const uint8_t* grp, float* 
 // 32 codes as 8 vectors (4 values per lane) and their scales, once; then per row of x 8 vpmaddubsw against its
 // broadcast codes, their words added by 4 (Q8_0: signed, each widened), widened by vpmaddwd, the zero point off the
 // integer sum, one fp32 multiply-add by dw * dx (and Q4_1's minimums by dx times the code sum).
-template <int64_t QT>
-void group_32(const Activations32& xa, int64_t rows_x, const uint8_t* grp, float* out, int64_t ldo, Acc* acc) {
+template <int64_t QT, int MB>
+void group_32(const Activations32& xa, int64_t count, const uint8_t* grp, float* out, int64_t ldo, Acc* memory) {
   const int64_t K = xa.K, blocks = K / 32;
+  Acc registers[MB > 0 ? MB : 1];
+  Acc* acc = MB > 0 ? registers : memory;
+  const int64_t rows_x = MB > 0 ? MB : count;
   constexpr int64_t code_bytes = code_bytes32(QT), bytes = group_bytes(QT);
   for (int64_t m = 0; m < rows_x; m++) acc[m].f[0] = acc[m].f[1] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
@@ -234,17 +237,32 @@ void group_32(const Activations32& xa, int64_t rows_x, const uint8_t* grp, float
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + m * ldo + 8 * h, acc[m].f[h]);
 }
 
-// Every group of 16 weight rows times every row of x (groups split between torch's threads)
+template <int64_t QT, int MB, class Activations>
+inline void group_any(const Activations& xa, int64_t count, const uint8_t* grp, float* out, int64_t ldo,
+                      Acc* memory) {
+  if constexpr (QT == Q4_K || QT == Q6_K)
+    group_k<QT, MB>(xa, count, grp, out, ldo, memory);
+  else
+    group_32<QT, MB>(xa, count, grp, out, ldo, memory);
+}
+
+// Every group of 16 weight rows times every row of x (groups split between torch's threads): 1-4 rows of x with
+// their accumulators on the stack, more in memory (the same operations per row either way)
 template <int64_t QT, class Activations>
 void mm_groups(const Activations& xa, int64_t M, const uint8_t* wp, int64_t gb, float* op, int64_t G) {
   const int64_t N = 16 * G;
   at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Acc> acc(M);
+    std::vector<Acc> memory(M > 4 ? M : 0);
     for (int64_t g = begin; g < end; g++) {
-      if constexpr (QT == Q4_K || QT == Q6_K)
-        group_k<QT>(xa, M, wp + g * gb, op + 16 * g, N, acc.data());
-      else
-        group_32<QT>(xa, M, wp + g * gb, op + 16 * g, N, acc.data());
+      const uint8_t* grp = wp + g * gb;
+      float* o = op + 16 * g;
+      switch (M) {
+        case 1: group_any<QT, 1>(xa, 1, grp, o, N, nullptr); break;
+        case 2: group_any<QT, 2>(xa, 2, grp, o, N, nullptr); break;
+        case 3: group_any<QT, 3>(xa, 3, grp, o, N, nullptr); break;
+        case 4: group_any<QT, 4>(xa, 4, grp, o, N, nullptr); break;
+        default: group_any<QT, 0>(xa, M, grp, o, N, memory.data());
+      }
     }
   });
 }
