@@ -80,6 +80,35 @@ def test_greedy_fp32_lossless(arch, pairing, schedule, tiny_dir, tokenizer):
         assert torch.equal(got, expected), (pairing, text)
 
 
+@pytest.mark.parametrize("draft_backend", ["auto", "torch"])
+def test_a_drafts_catch_up_runs_only_its_last_position_through_the_head(draft_backend, tiny_dir, tokenizer,
+                                                                          monkeypatch):
+    """The draft's prefill of the prompt and each round's catch-up ask for the last position's logits only
+    (``logits_to_keep=1``): the other rows go through the layers, not the LM head (for a 0.5B draft the head is a
+    third of its weights). The output stays the target's."""
+    path = tiny_dir("qwen2")
+    stock = AutoModelForCausalLM.from_pretrained(path).eval()
+    target = _export(path, backend="torch")
+    draft = _twin(_export(path, backend=draft_backend))
+    draft.generation_config.num_assistant_tokens = 3
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    calls = []
+    forward = draft.forward
+
+    def recording(input_ids, *args, **kwargs):
+        out = forward(input_ids, *args, **kwargs)
+        calls.append((input_ids.shape[1], out.logits.shape[1]))
+        return out
+
+    monkeypatch.setattr(draft, "forward", recording)
+    inputs = tokenizer(TEXTS[0], return_tensors="pt")
+    got = target.generate(**inputs, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    assert torch.equal(got, stock.generate(**inputs, max_new_tokens=24, do_sample=False))
+    # the prompt (and the target's first token), then catch-ups of more than one token
+    assert calls[0][0] >= inputs.input_ids.shape[1] and max(rows for rows, _ in calls[1:]) > 1, calls
+    assert all(kept == 1 for _, kept in calls), calls
+
+
 def test_confidence_threshold_keeps_output(tiny_dir, tokenizer):
     stock, target, draft = _models("llama", "ipex+ipex", tiny_dir, num_assistant_tokens=8)
     draft.generation_config.assistant_confidence_threshold = 0.0001
