@@ -237,44 +237,18 @@ void group_32(const Activations32& xa, int64_t count, const uint8_t* grp, float*
     for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + m * ldo + 8 * h, acc[m].f[h]);
 }
 
-template <int64_t QT, int MB, class Activations>
-inline void group_any(const Activations& xa, int64_t count, const uint8_t* grp, float* out, int64_t ldo,
-                      Acc* memory) {
-  if constexpr (QT == Q4_K || QT == Q6_K)
-    group_k<QT, MB>(xa, count, grp, out, ldo, memory);
-  else
-    group_32<QT, MB>(xa, count, grp, out, ldo, memory);
-}
-
-// Every group of 16 weight rows times every row of x (groups split between torch's threads): 1-4 rows of x with
-// their accumulators on the stack, more in memory (the same operations per row either way)
-template <int64_t QT, class Activations>
-void mm_groups(const Activations& xa, int64_t M, const uint8_t* wp, int64_t gb, float* op, int64_t G) {
-  const int64_t N = 16 * G;
-  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Acc> memory(M > 4 ? M : 0);
-    for (int64_t g = begin; g < end; g++) {
-      const uint8_t* grp = wp + g * gb;
-      float* o = op + 16 * g;
-      switch (M) {
-        case 1: group_any<QT, 1>(xa, 1, grp, o, N, nullptr); break;
-        case 2: group_any<QT, 2>(xa, 2, grp, o, N, nullptr); break;
-        case 3: group_any<QT, 3>(xa, 3, grp, o, N, nullptr); break;
-        case 4: group_any<QT, 4>(xa, 4, grp, o, N, nullptr); break;
-        default: group_any<QT, 0>(xa, M, grp, o, N, memory.data());
-      }
-    }
-  });
-}
-
-// the kernel, for the layout's operator shell (gguf_interleaved_layout.h)
+// the kernel, for the layout's driver (gguf_interleaved_layout.h: Groups)
 struct Kernel {
-  template <int64_t QT>
-  static void mm(const float* x, int64_t M, const uint8_t* wp, int64_t gb, float* op, int64_t G, int64_t K) {
+  using Memory = Acc;
+  static constexpr int64_t kMemoryPerRow = 1;
+
+  template <int64_t QT, int MB, class Activations>
+  static void group(const Activations& xa, int64_t count, const uint8_t* grp, float* out, int64_t ldo,
+                    Memory* memory) {
     if constexpr (QT == Q4_K || QT == Q6_K)
-      mm_groups<QT>(KActivations(x, M, K, false, QT == Q4_K ? 32 : 16), M, wp, gb, op, G);
+      group_k<QT, MB>(xa, count, grp, out, ldo, memory);
     else
-      mm_groups<QT>(Activations32(x, M, K, QT), M, wp, gb, op, G);
+      group_32<QT, MB>(xa, count, grp, out, ldo, memory);
   }
 };
 

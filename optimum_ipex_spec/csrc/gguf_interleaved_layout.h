@@ -9,7 +9,7 @@
 //   interleave(blocks uint8 [N, row_bytes], qtype, K) -> uint8 [N / 16, K / U * group_bytes]
 //   deinterleave(groups uint8 [G, K / U * group_bytes], qtype, K) -> uint8 [16 G, row_bytes] (the GGUF rows back,
 //       byte for byte)
-//   mm_interleaved(x fp32 [M, K], groups, qtype, K) -> fp32 [M, 16 G], through mm_interleaved_op<Kernel>
+//   mm_interleaved(x fp32 [M, K], groups, qtype, K) -> fp32 [M, 16 G], through mm_interleaved_op<Groups<Kernel>>
 //
 // Layout of 16 rows x one unit (group_bytes: Q4_K 2368 = 16 x 148, Q6_K 3392 = 16 x 212, the others 16 times a
 // row's block), in the order the kernel reads it:
@@ -36,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_activations.h"
 #include "gguf_formats.h"
 
 namespace optimum_ipex_spec_gguf_layout {
@@ -355,18 +356,56 @@ at::Tensor mm_interleaved_op(const at::Tensor& x_in, const at::Tensor& groups, i
   return out.view(shape);
 }
 
-// the three operators of the layout, in namespace `m` (a TORCH_LIBRARY_FRAGMENT's) and its CPU implementations
+// The driver both kernels share, for mm_interleaved_op: x's rows rounded for the block type (gguf_activations.h),
+// then every group of 16 weight rows times every row of x (groups split between torch's threads, each group on one)
+// through Kernel::group<QT, MB>(activations, count, group, out, ldo, memory): 1-4 rows of x with MB = their count
+// (accumulators in registers), more with MB = 0 and Kernel::kMemoryPerRow values of Kernel::Memory per row of x (the
+// same operations per row either way).
+template <class Kernel>
+struct Groups {
+  template <int64_t QT, class Activations>
+  static void run(const Activations& xa, int64_t M, const uint8_t* wp, int64_t gb, float* op, int64_t G) {
+    const int64_t N = 16 * G;
+    at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) {
+      std::vector<typename Kernel::Memory> memory(M > 4 ? Kernel::kMemoryPerRow * M : 0);
+      for (int64_t g = begin; g < end; g++) {
+        const uint8_t* grp = wp + g * gb;
+        float* o = op + 16 * g;
+        switch (M) {
+          case 1: Kernel::template group<QT, 1>(xa, 1, grp, o, N, nullptr); break;
+          case 2: Kernel::template group<QT, 2>(xa, 2, grp, o, N, nullptr); break;
+          case 3: Kernel::template group<QT, 3>(xa, 3, grp, o, N, nullptr); break;
+          case 4: Kernel::template group<QT, 4>(xa, 4, grp, o, N, nullptr); break;
+          default: Kernel::template group<QT, 0>(xa, M, grp, o, N, memory.data());
+        }
+      }
+    });
+  }
+
+  template <int64_t QT>
+  static void mm(const float* x, int64_t M, const uint8_t* wp, int64_t gb, float* op, int64_t G, int64_t K) {
+    using optimum_ipex_spec_activations::Activations32;
+    using optimum_ipex_spec_activations::KActivations;
+    if constexpr (QT == Q4_K || QT == Q6_K)
+      run<QT>(KActivations(x, M, K, false, QT == Q4_K ? 32 : 16), M, wp, gb, op, G);
+    else
+      run<QT>(Activations32(x, M, K, QT), M, wp, gb, op, G);
+  }
+};
+
+// the three operators of the layout, in namespace `m` (a TORCH_LIBRARY_FRAGMENT's)
 inline void define_layout(torch::Library& m) {
   m.def("interleave(Tensor blocks, int qtype, int K) -> Tensor");
   m.def("deinterleave(Tensor groups, int qtype, int K) -> Tensor");
   m.def("mm_interleaved(Tensor x, Tensor groups, int qtype, int K) -> Tensor");
 }
 
+// their CPU implementations, multiplying through Kernel (see Groups)
 template <class Kernel>
 void implement_layout(torch::Library& m) {
   m.impl("interleave", &interleave);
   m.impl("deinterleave", &deinterleave);
-  m.impl("mm_interleaved", &mm_interleaved_op<Kernel>);
+  m.impl("mm_interleaved", &mm_interleaved_op<Groups<Kernel>>);
 }
 
 }  // namespace optimum_ipex_spec_gguf_layout
