@@ -599,6 +599,31 @@ def test_both_interleaved_kernels_give_the_same_bits(name):
     assert torch.equal(avx2.mm_interleaved(x, groups, block.qtype, k), vnni.mm_interleaved(x, groups, block.qtype, k))
 
 
+#: per interleaved type, the byte ranges of a block that hold its codes (and Q4_K's 6-bit scales, Q6_K's int8 ones),
+#: and the byte that gives each code (or scale) its largest magnitude
+EXTREME_CODES = {"Q4_0": [(2, 18, 0xFF)], "Q4_1": [(4, 20, 0xFF)], "Q5_0": [(2, 22, 0xFF)], "Q8_0": [(2, 34, 0x80)],
+                 "Q4_K": [(4, 144, 0xFF)], "Q6_K": [(0, 192, 0xFF), (192, 208, 0x80)]}
+
+
+@pytest.mark.parametrize("name", sorted(EXTREME_CODES))
+def test_the_largest_codes_and_activations_do_not_saturate(interleaved_ops, name):
+    """Every code at its largest magnitude times activations whose codes are all +-127: the kernels' int16 sums
+    (the AVX2 kernels add several vpmaddubsw words before widening) must not saturate."""
+    block, ops = TYPES[name], interleaved_ops
+    blocks = random_blocks(block, 16, 512, np.random.default_rng(12))
+    blocks = blocks.reshape(16, 512 // block.values, block.bytes)
+    for start, end, byte in EXTREME_CODES[name]:
+        blocks[:, :, start:end] = byte
+    blocks = blocks.reshape(16, -1)
+    x = torch.ones(3, 512)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    expected = _fast_reference(x, blocks, block)
+    groups = ops.interleave(torch.from_numpy(blocks), block.qtype, 512)
+    for got in (ops.mm_interleaved(x, groups, block.qtype, 512), ops.mm(x, torch.from_numpy(blocks), block.qtype, 512)):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_fast_layer_is_held_interleaved_and_looks_up_rows(fast_kernel, name):
     block, rng = TYPES[name], np.random.default_rng(8)
@@ -711,11 +736,14 @@ def test_a_config_that_splits_the_file_otherwise_is_refused(kernel, tiny_gguf, t
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
-def test_fast_mode_keeps_a_nan_activation_visible(fast_mm, name):
-    block = TYPES[name]
-    blocks = torch.from_numpy(random_blocks(block, 8, 256, np.random.default_rng(6)))
-    x = torch.randn(3, 256)
+def test_fast_mode_keeps_a_nan_activation_visible(interleaved_ops, name):
+    block, ops = TYPES[name], interleaved_ops
+    blocks = torch.from_numpy(random_blocks(block, 16, 256, np.random.default_rng(6)))
+    x = torch.randn(5, 256)
     x[1, 17] = float("nan")
     x[2] = 1e-38  # so small that 127 / max|x| overflows: codes 0, outputs 0
-    out = fast_mm(x, blocks, block.qtype, 256)
-    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all() and torch.equal(out[2], torch.zeros(8))
+    x[3, 3], x[4, 200] = float("inf"), float("-inf")  # as a NaN: no sign to trust after rounding to int8
+    for out in (ops.mm(x, blocks, block.qtype, 256),  # the file's rows, and the interleaved layout
+                ops.mm_interleaved(x, ops.interleave(blocks, block.qtype, 256), block.qtype, 256)):
+        assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all() and torch.equal(out[2], torch.zeros(16))
+        assert torch.isnan(out[3:]).all()

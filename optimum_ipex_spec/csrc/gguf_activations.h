@@ -19,7 +19,7 @@ namespace optimum_ipex_spec_activations {
 using namespace optimum_ipex_spec_gguf_formats;
 
 // values x[0..n) (n a multiple of 16) rounded to int8 codes q with one scale, returned: d = max|x| / 127,
-// q = round(x / d), nearest even; a NaN among them gives a NaN scale (and NaN outputs), an infinity an infinite one
+// q = round(x / d), nearest even; a NaN or an infinity among them gives codes 0 and a NaN scale (NaN outputs)
 inline float quantize_group(const float* x, int64_t n, int8_t* q) {
 #ifdef __AVX512F__
   __m512 amax = _mm512_setzero_ps();
@@ -45,8 +45,12 @@ inline float quantize_group(const float* x, int64_t n, int8_t* q) {
   for (int i = 1; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
   if (nan) top = NAN;
 #endif
+  if (!std::isfinite(top)) {  // a NaN or an infinity among them: codes 0 and a NaN scale, so NaN outputs
+    std::memset(q, 0, static_cast<size_t>(n));
+    return NAN;
+  }
   // a largest |x| below about 4e-37 makes 127 / top infinite: those codes stay 0 (their products are below 1e-36)
-  const float ratio = top > 0 && std::isfinite(top) ? 127.0f / top : 0.0f;
+  const float ratio = top > 0 ? 127.0f / top : 0.0f;
   const float inverse = std::isfinite(ratio) ? ratio : 0.0f;
 #ifdef __AVX512F__
   const __m512 inv = _mm512_set1_ps(inverse);

@@ -174,8 +174,8 @@ void group_k(const KActivations& xa, int64_t count, const uint8_t* grp, float* o
 
 // 16 weight rows (one group) of a 32-value type times every row of x (as group_k). Per block and half: the 8 rows'
 // 32 codes as 8 vectors (4 values per lane) and their scales, once; then per row of x 8 vpmaddubsw against its
-// broadcast codes, their words added by 4 (Q8_0: signed, each widened), widened by vpmaddwd, the zero point off the
-// integer sum, one fp32 multiply-add by dw * dx (and Q4_1's minimums by dx times the code sum).
+// broadcast codes, their words added by 8 (Q5_0: by 4; Q8_0: signed, each widened), widened by vpmaddwd, the zero
+// point off the integer sum, one fp32 multiply-add by dw * dx (and Q4_1's minimums by dx times the code sum).
 template <int64_t QT, int MB>
 void group_32(const Activations32& xa, int64_t count, const uint8_t* grp, float* out, int64_t ldo, Acc* memory) {
   const int64_t K = xa.K, blocks = K / 32;
@@ -223,8 +223,11 @@ void group_32(const Activations32& xa, int64_t count, const uint8_t* grp, float*
             sum = _mm256_add_epi32(sum, _mm256_madd_epi16(w, ones));
           }
         } else {
-          sum = _mm256_add_epi32(_mm256_madd_epi16(words<4>(c, xq), ones),
-                                 _mm256_madd_epi16(words<4>(c + 4, xq + 16), ones));
+          if constexpr (QT == Q5_0)  // 5-bit codes: 4 words at most before widening
+            sum = _mm256_add_epi32(_mm256_madd_epi16(words<4>(c, xq), ones),
+                                   _mm256_madd_epi16(words<4>(c + 4, xq + 16), ones));
+          else  // 4-bit codes: all 8
+            sum = _mm256_madd_epi16(words<8>(c, xq), ones);
           if (QT != Q4_1) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(xa.zero_point[i]));
         }
         acc[m].f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(xa.dx[i])),
