@@ -32,6 +32,16 @@ def cache_kwarg() -> str:
     return "cache" if transformers_major() >= 5 else "past_key_values"
 
 
+@functools.lru_cache(maxsize=None)
+def logits_to_keep_kwarg() -> str:
+    """The name under which transformers' causal-LM ``forward`` takes how many last positions to give logits for:
+    ``logits_to_keep`` from 4.50, ``num_logits_to_keep`` before."""
+    import transformers
+
+    new = parse_version(transformers.__version__) >= parse_version("4.50")
+    return "logits_to_keep" if new else "num_logits_to_keep"
+
+
 def crop_zero_removes_nothing() -> bool:
     """transformers >= 5 calls ``cache.crop(0)`` meaning "remove 0 tokens"; 4.x never calls it (there it would
     mean "keep 0 tokens", which no caller asks for)."""

@@ -32,3 +32,14 @@ def test_versions():
     assert compat.cache_kwarg() == ("cache" if major >= 5 else "past_key_values")
     assert compat.zero_proposals_add_nothing() is (major < 5)
     assert compat.static_caches_refuse_assisted() is (major < 5)
+
+
+def test_logits_to_keep_is_spelled_as_the_installed_transformers_spells_it():
+    """The eager runner renames our ``logits_to_keep`` to this before transformers' forward (a draft's catch-up
+    asks for the last position only): the installed causal LMs must take it by that name."""
+    import inspect
+
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    for model in (LlamaForCausalLM, Qwen2ForCausalLM):
+        assert compat.logits_to_keep_kwarg() in inspect.signature(model.forward).parameters, model

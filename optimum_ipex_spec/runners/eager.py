@@ -9,7 +9,7 @@ import logging
 import transformers
 from transformers.cache_utils import DynamicCache
 
-from ..compat import cache_kwarg, static_caches_refuse_assisted
+from ..compat import cache_kwarg, logits_to_keep_kwarg, static_caches_refuse_assisted
 from ..dense_weights import use_dense_kernels
 from .base import Runner, check_token_ids
 
@@ -38,6 +38,9 @@ class EagerRunner(Runner):
         (:func:`~optimum_ipex_spec.runners.base.check_token_ids`), not an ``IndexError`` from the embedding."""
         if input_ids is not None or kwargs.get("inputs_embeds") is None:
             check_token_ids(input_ids, self.vocab_size)
+        if "logits_to_keep" in kwargs and logits_to_keep_kwarg() != "logits_to_keep":  # transformers < 4.50
+            kwargs = dict(kwargs)
+            kwargs[logits_to_keep_kwarg()] = kwargs.pop("logits_to_keep")
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=use_cache, return_dict=True, **{cache_kwarg(): cache}, **kwargs)
 
