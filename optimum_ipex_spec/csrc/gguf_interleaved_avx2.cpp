@@ -63,9 +63,10 @@ inline __m256i words(const __m256i* c, const int8_t* xq) {
   return w;
 }
 
-// The fp32 accumulators of one row of x for the two halves of a group
+// The accumulators of one row of x: fp32 for the two halves of a group, and an integer sum
 struct Acc {
   __m256 f[2];
+  __m256i sum;  // a K type's integer sum of the super-block and half being read
 };
 
 // 16 weight rows (one group) of a K type times every row of x: MB of them (1-4, accumulators on the stack) or `count`
@@ -89,16 +90,13 @@ void group_k(const KActivations& xa, int64_t count, const uint8_t* grp, float* o
   const __m256i high_word = _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15,
                                              2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15);
   constexpr int64_t stride = QT == Q4_K ? kQ4KBlock : kQ6KBlock;
-  __m256i sum_registers[MB > 0 ? MB : 1];
-  std::vector<__m256i> sum_memory(MB > 0 ? 0 : rows_x);
-  __m256i* sum = MB > 0 ? sum_registers : sum_memory.data();
   for (int64_t s = 0; s < supers; s++) {
     const uint8_t* p = grp + s * group_bytes(QT);
     const uint8_t* codes = QT == Q4_K ? p + 320 : p;
     const uint8_t* header = QT == Q4_K ? p : p + kQ6Scales;  // d, scales (and Q4_K's minimums)
     for (int64_t o = 0; o < 320; o += 64) prefetch<QT>(header + o);
     for (int h = 0; h < 2; h++) {
-      for (int64_t m = 0; m < rows_x; m++) sum[m] = _mm256_setzero_si256();
+      for (int64_t m = 0; m < rows_x; m++) acc[m].sum = _mm256_setzero_si256();
       for (int j = 0; j < 8; j++) {
         if (h == 0) {
           for (int t = 0; t < 4; t++) prefetch<QT>(codes + stride * j + 64 * t);
@@ -117,7 +115,7 @@ void group_k(const KActivations& xa, int64_t count, const uint8_t* grp, float* o
           const __m256i sc = _mm256_or_si256(sc32, _mm256_slli_epi32(sc32, 16));  // the scale in both words
           for (int64_t m = 0; m < rows_x; m++) {
             const int8_t* xq = xa.q.data() + m * K + 256 * s + 32 * j;
-            sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(words<8>(c, xq), sc));
+            acc[m].sum = _mm256_add_epi32(acc[m].sum, _mm256_madd_epi16(words<8>(c, xq), sc));
           }
         } else {
           // the top 2 bits: value 4k + b of a half (16 values) in bits 2k..2k+1 of byte b; c[v] holds values 4v..4v+3
@@ -140,7 +138,7 @@ void group_k(const KActivations& xa, int64_t count, const uint8_t* grp, float* o
                                          _mm256_madd_epi16(words<2>(c + 2, xq + 8), sc0));
             t = _mm256_add_epi32(t, _mm256_madd_epi16(words<2>(c + 4, xq + 16), sc1));
             t = _mm256_add_epi32(t, _mm256_madd_epi16(words<2>(c + 6, xq + 24), sc1));
-            sum[m] = _mm256_add_epi32(sum[m], t);
+            acc[m].sum = _mm256_add_epi32(acc[m].sum, t);
           }
         }
       }
@@ -159,10 +157,10 @@ void group_k(const KActivations& xa, int64_t count, const uint8_t* grp, float* o
         const __m256 dx = _mm256_set1_ps(xa.d[m * supers + s]);
         if (QT == Q4_K) {
           const __m256 dmin = halves(p + 32 + 16 * h);
-          acc[m].f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(d, dx), acc[m].f[h]);
+          acc[m].f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m].sum), _mm256_mul_ps(d, dx), acc[m].f[h]);
           acc[m].f[h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(side), _mm256_mul_ps(dmin, dx), acc[m].f[h]);
         } else {  // codes are q + 32: take 32 * sum over the pieces of scale * code sum
-          const __m256i total = _mm256_sub_epi32(sum[m], _mm256_slli_epi32(side, 5));
+          const __m256i total = _mm256_sub_epi32(acc[m].sum, _mm256_slli_epi32(side, 5));
           acc[m].f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[m].f[h]);
         }
       }
