@@ -42,6 +42,16 @@ def logits_to_keep_kwarg() -> str:
     return "logits_to_keep" if new else "num_logits_to_keep"
 
 
+def gguf_config_mapping() -> dict:
+    """transformers' table from GGUF metadata keys to config attributes, as the installed release reads a GGUF file's
+    config: ``{prefix: {key: attribute or None}}`` with prefixes ``general``, ``tokenizer`` and the architectures
+    (``transformers.integrations.ggml.GGUF_CONFIG_MAPPING``, the same in 4.51 and 5.x; which keys each architecture
+    maps differs between releases, hence this lookup rather than a copy)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return GGUF_CONFIG_MAPPING
+
+
 def crop_zero_removes_nothing() -> bool:
     """transformers >= 5 calls ``cache.crop(0)`` meaning "remove 0 tokens"; 4.x never calls it (there it would
     mean "keep 0 tokens", which no caller asks for)."""

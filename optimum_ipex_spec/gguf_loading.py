@@ -109,9 +109,47 @@ def check_options(torch_dtype, backend: str, kwargs: dict) -> None:
         raise ValueError(f"weights='gguf' reads a local GGUF file; {', '.join(hub)} do not apply to it")
 
 
-def read_config(source: GGUFSource):
-    """``(config, generation_config)`` for ``source``: the folder's, or those transformers reads from the GGUF's
-    metadata (``AutoConfig.from_pretrained(..., gguf_file=...)``)."""
+#: the GGUF architectures whose config :func:`config_from_metadata` builds (those the decoder loads from GGUF)
+METADATA_CONFIG_ARCHITECTURES = ("llama", "qwen2")
+
+
+def config_from_metadata(gguf):
+    """The transformers config of a GGUF file's metadata (``gguf``: a :class:`~optimum_ipex_spec.gguf_weights.GGUFFile`)
+    as the installed transformers builds it for a ``llama`` or ``qwen2`` file: its key table
+    (:func:`~optimum_ipex_spec.compat.gguf_config_mapping`) over the ``general``, architecture and ``tokenizer`` keys,
+    the head tied where the file has no ``output.weight``, the vocabulary's length where the metadata has no
+    ``vocab_size``. None for another architecture, and for a ``llama`` file transformers reads as Mistral (by its
+    ``general.name``): the caller then asks transformers.
+
+    transformers reads the same metadata with gguf-py's reader, which spends about 9 s on a 151,936-token vocabulary;
+    our header reader steps over it (:mod:`~optimum_ipex_spec.gguf_header`). A test compares both configs on every
+    provisioned file."""
+    from transformers import AutoConfig
+
+    from .compat import gguf_config_mapping
+
+    fields, architecture = gguf.fields, gguf.architecture
+    name = fields.get("general.name")
+    mapping = gguf_config_mapping()
+    if (architecture not in METADATA_CONFIG_ARCHITECTURES or architecture not in mapping
+            or (isinstance(name, str) and "mistral" in name)):
+        return None
+    values = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
+    for prefix in ("general", architecture, "tokenizer"):
+        for key, attribute in mapping.get(prefix, {}).items():
+            if attribute not in (None, -1) and f"{prefix}.{key}" in fields:
+                values[attribute] = fields[f"{prefix}.{key}"]
+    if "vocab_size" not in values and "tokenizer.ggml.tokens" in gguf.array_lengths:
+        values["vocab_size"] = gguf.array_lengths["tokenizer.ggml.tokens"]
+    config = AutoConfig.for_model(**values)
+    config._name_or_path = os.path.dirname(os.path.abspath(gguf.path))  # as from_pretrained(folder, gguf_file=) sets
+    return config
+
+
+def read_config(source: GGUFSource, gguf=None):
+    """``(config, generation_config)`` for ``source``: the folder's, or those of the GGUF's metadata
+    (:func:`config_from_metadata` on ``gguf``, the file already read; else transformers'
+    ``AutoConfig.from_pretrained(..., gguf_file=...)``)."""
     from transformers import AutoConfig, GenerationConfig
 
     if source.folder is not None:
@@ -121,6 +159,8 @@ def read_config(source: GGUFSource):
         except OSError:  # no generation_config.json
             generation = GenerationConfig.from_model_config(config)
         return config, generation
-    folder, name = os.path.split(os.path.abspath(source.path))
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config = config_from_metadata(gguf) if gguf is not None else None
+    if config is None:
+        folder, name = os.path.split(os.path.abspath(source.path))
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
     return config, GenerationConfig.from_model_config(config)

@@ -20,8 +20,9 @@ on the quantized rows (as transformers' ``LlamaTensorProcessor`` does on dequant
 The exact kernel has an AVX-512 build and an AVX2 one (``csrc/gguf_gemm_avx2.cpp``: the same bits, see
 :func:`exact_kernel`). Where neither runs (no AVX2, no C++ compiler), :class:`GGUFLinear` multiplies through the PyTorch
 reference (:func:`reference_mm`: gguf-py's dequantization, a bounded number of rows at a time, then ``torch.mv`` per
-row; slow, logged once). The file is untrusted data: it is parsed by gguf-py's reader (no code runs), every tensor's
-type, shape and byte range is checked before use (:func:`read_gguf`).
+row; slow, logged once). The file is untrusted data: its header is parsed as data
+(:mod:`~optimum_ipex_spec.gguf_header`; no code runs), every tensor's type, shape and byte range is checked before
+use (:func:`read_gguf`).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import hashlib
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
 
 import numpy as np
 import torch
 
+from .gguf_header import GGUFError, read_header
 from .packed_gemm import OPENMP
 from .utils.memory import page_out
 
@@ -75,9 +77,14 @@ FAST_TYPES = (2, 3, 6, 8, 12, 13, 14)
 INTERLEAVED_TYPES = (2, 3, 6, 8, 12, 14)
 
 
-class GGUFError(ValueError):
-    """A GGUF file this package cannot run: an unsupported architecture or block type, a tensor whose shape or byte
-    range does not fit, a damaged file."""
+def ggml_type_name(type_id: int) -> str:
+    """gguf-py's name of ggml type ``type_id`` ("Q2_K"), or the number where gguf-py knows no such type."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"{type_id} (unknown to gguf-py)"
 
 
 def row_bytes(block: BlockType, k: int) -> int:
@@ -479,6 +486,8 @@ class GGUFFile:
     fields: dict
     tensors: Dict[str, GGUFTensor]
     size: int
+    #: metadata key -> element count of each array, the tokenizer's too (``tokenizer.ggml.tokens``: the vocabulary)
+    array_lengths: Dict[str, int] = field(default_factory=dict)
     _mapped: Optional[torch.Tensor] = None
 
     def mapped(self) -> torch.Tensor:
@@ -514,8 +523,9 @@ class GGUFFile:
 
 
 def read_gguf(path: os.PathLike) -> GGUFFile:
-    """Parse ``path``'s header with gguf-py's reader (data only: nothing in the file is executed) and check every
-    tensor: a supported block type, at most 2 dimensions, a byte range inside the file of the size its shape needs.
+    """Parse ``path``'s header (:func:`~optimum_ipex_spec.gguf_header.read_header`: data only, nothing in the file is
+    executed) and check every tensor: a supported block type, at most 2 dimensions, a byte range inside the file's
+    data section, aligned, of the size its shape needs, shared with no other tensor.
 
     Raises:
         FileNotFoundError: no such file.
@@ -524,33 +534,17 @@ def read_gguf(path: os.PathLike) -> GGUFFile:
     path = str(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path}")
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, struct errors, IndexError on damage
-        raise GGUFError(f"{path} is not a readable GGUF file, or a truncated or damaged one ({type(exc).__name__}: "
-                        f"{exc})") from None
-    size = os.path.getsize(path)
-    fields = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):  # vocabularies: large, and read by transformers' tokenizer, not here
-            continue
-        try:
-            fields[key] = field.contents()
-        except Exception:  # noqa: BLE001 - a field of a type this package does not read
-            continue
+    header = read_header(path)
+    fields = dict(header.fields)  # the tokenizer's scalars too (special token ids); its arrays are stepped over
     architecture = str(fields.get("general.architecture", ""))
-    start = int(reader.data_offset)
-    alignment = int(fields.get("general.alignment", 32) or 32)
+    start, size, alignment = header.data_offset, header.size, header.alignment
     tensors = {}
-    for t in reader.tensors:
-        qtype = int(t.tensor_type)
-        block = BLOCK_TYPES.get(qtype)
+    for t in header.tensors:
+        block = BLOCK_TYPES.get(t.ggml_type)
         if block is None:
-            raise GGUFError(f"{path}: tensor {t.name} is of ggml type {t.tensor_type.name}, which the GGUF kernel does "
-                            f"not run (supported: {', '.join(b.name for b in BLOCK_TYPES.values())})")
-        dims = [int(d) for d in t.shape]
+            raise GGUFError(f"{path}: tensor {t.name} is of ggml type {ggml_type_name(t.ggml_type)}, which the GGUF "
+                            f"kernel does not run (supported: {', '.join(b.name for b in BLOCK_TYPES.values())})")
+        dims = list(t.dims)
         if not 1 <= len(dims) <= 2:
             raise GGUFError(f"{path}: tensor {t.name} has {len(dims)} dimensions; a decoder's weights have 1 or 2")
         k, rows = dims[0], (dims[1] if len(dims) == 2 else 1)
@@ -559,20 +553,17 @@ def read_gguf(path: os.PathLike) -> GGUFFile:
         if k % block.values:
             raise GGUFError(f"{path}: tensor {t.name} has rows of {k} values, not whole {block.name} blocks")
         nbytes = rows * (k // block.values) * block.bytes
-        offset = int(t.data_offset)
-        if offset < start or offset + nbytes > size or int(t.n_bytes) != nbytes or (offset - start) % alignment:
+        offset = t.offset
+        if offset < start or offset + nbytes > size or (offset - start) % alignment:
             raise GGUFError(f"{path}: tensor {t.name} needs {nbytes} bytes at offset {offset}, which the file's data "
                             f"section ({start} to {size}, aligned to {alignment}) does not hold: a truncated or "
                             "damaged file")
-        if t.name in tensors:
-            raise GGUFError(f"{path}: two tensors are named {t.name}: a damaged file")
         tensors[t.name] = GGUFTensor(t.name, block, rows, k, offset, nbytes)
-    del reader
     ranges = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
     for (_, end, name), (begin, _, other) in zip(ranges, ranges[1:]):
         if begin < end:  # a header's offsets may not make two tensors share bytes
             raise GGUFError(f"{path}: tensors {name} and {other} overlap in the file: a damaged file")
-    return GGUFFile(path, architecture, fields, tensors, size)
+    return GGUFFile(path, architecture, fields, tensors, size, dict(header.array_lengths))
 
 
 # ----------------------------------------------------------------------------------------------- the model

@@ -870,7 +870,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         check_gguf_options(kwargs.get("torch_dtype"), backend, kwargs)
         source = locate_gguf(model_id, kwargs.get("gguf_file"))
         gguf = read_gguf(source.path)  # checked by our reader before transformers reads its metadata
-        config, generation_config = read_gguf_config(source)
+        config, generation_config = read_gguf_config(source, gguf)
         check_causal_lm_config(config, model_id)
         model = load_gguf_model(gguf, config, mode=kwargs.get("gguf_mode") or "exact")
         checkpoint = None

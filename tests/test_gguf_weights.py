@@ -472,8 +472,8 @@ def test_bad_files_and_options_are_refused_early(kernel, tiny_gguf, tmp_path):
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     write_tiny_gguf(str(damaged), "llama", truncate=4096)
-    # gguf-py's reader finds a cut file first; read_gguf's own byte-range check is the second line of defence
-    with pytest.raises(GGUFError, match="not a readable GGUF file, or a truncated or damaged one"):
+    # a cut in the data section: the header reads, and the byte-range check of read_gguf refuses the tensors
+    with pytest.raises(GGUFError, match="does not hold: a truncated or damaged file"):
         IPEXModelForCausalLM.from_pretrained(str(damaged), weights="gguf")
     other = tmp_path / "other-type"
     other.mkdir()
@@ -484,7 +484,7 @@ def test_bad_files_and_options_are_refused_early(kernel, tiny_gguf, tmp_path):
     with pytest.raises(FileNotFoundError, match="name it with gguf_file="):
         IPEXModelForCausalLM.from_pretrained(str(other), weights="gguf")
     (tmp_path / "noise.gguf").write_bytes(b"GGUF" + os.urandom(64))
-    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+    with pytest.raises(GGUFError, match="GGUF version|truncated or damaged"):
         IPEXModelForCausalLM.from_pretrained(str(tmp_path / "noise.gguf"))
 
 

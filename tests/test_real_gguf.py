@@ -128,3 +128,31 @@ def test_smollm2_gguf_file_alone_reads_its_config_from_the_file(smollm2_dir):
         expected = dense.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
     got = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
     assert _near_tie_or_equal(dense, got, expected, enc["input_ids"].shape[1])
+
+
+@pytest.mark.parametrize("key", ["qwen2.5-coder-0.5b-instruct gguf", "smollm2-135m-instruct gguf"])
+def test_the_files_header_and_config_are_gguf_pys_and_transformers(key):
+    """Our header reader steps over the vocabulary that gguf-py's reader spends seconds on: the same metadata,
+    tensor table and data offset; and the config built from it is transformers' for the file (every attribute)."""
+    import os
+
+    import gguf
+
+    from optimum_ipex_spec.gguf_header import read_header
+    from optimum_ipex_spec.gguf_loading import config_from_metadata
+    from optimum_ipex_spec.gguf_weights import read_gguf
+
+    path = str(provisioned(key))
+    header, reader = read_header(path), gguf.GGUFReader(path, "r")
+    assert header.data_offset == reader.data_offset
+    theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    skipped = {k for k, v in theirs.items() if k.startswith("tokenizer.") and isinstance(v, list)}
+    assert "tokenizer.ggml.tokens" in skipped
+    assert header.fields == {k: v for k, v in theirs.items() if k not in skipped}
+    assert {k: header.array_lengths[k] for k in skipped} == {k: len(theirs[k]) for k in skipped}
+    assert [(t.name, t.dims, t.ggml_type, t.offset) for t in header.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset)) for t in reader.tensors]
+    folder, name = os.path.split(os.path.abspath(path))
+    expected = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
+    ours = config_from_metadata(read_gguf(path))
+    assert type(ours) is type(expected) and ours.to_dict() == expected.to_dict()
