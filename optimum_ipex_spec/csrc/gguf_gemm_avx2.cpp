@@ -12,10 +12,13 @@
 //       prefill): speculative decoding over a quantized target stays exact, and a model gives the same tokens on an
 //       AVX2 machine as on an AVX-512 one.
 //
-// Each group of 4 weight rows is dequantized 256 values at a time (one K-quant super-block, or 8 blocks of 32) into a
-// buffer in L1, once for all the rows of x, while a share of the next group is prefetched; the accumulators of every
-// row of x stay in memory between these pieces (loading and storing a lane's sum does not change it). Weight rows
-// are split between torch's threads, each computed by one thread. Block layouts: gguf_formats.h.
+// With 1-4 rows of x (a decode step, a verification of up to 3 draft tokens), each weight row's blocks are dequantized
+// 8 values at a time in a register and multiplied into every row's accumulators at once (fused_row). With more rows
+// (a prefill), each group of 4 weight rows is dequantized 256 values at a time (one K-quant super-block, or 8 blocks
+// of 32) into a buffer in L1, once for all the rows of x, while a share of the next group is prefetched; the
+// accumulators of every row of x stay in memory between these pieces (loading and storing a lane's sum does not
+// change it). Both paths make the same values and the same chains, so the same bits. Weight rows are split between
+// torch's threads, each computed by one thread. Block layouts: gguf_formats.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,17 +56,11 @@ inline __m256 scaled(__m256i q, int offset, __m256 scale) {
   return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(q, _mm256_set1_epi32(offset))));
 }
 
-// one block of `QT` at b -> its Format::values values at y, each exactly as gguf-py computes it (the same fp32
-// products and sums, 8 values a vector)
-template <int64_t QT>
-__attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, float* y) {
+// one block of `QT` at b (a type of 32 or 256 values) -> emit(j, v) for its values 8j..8j+7 in v, j = 0, 1, ... in
+// order, each value exactly as gguf-py computes it (the same fp32 products and sums)
+template <int64_t QT, class Emit>
+__attribute__((always_inline)) inline void block_chunks(const uint8_t* b, Emit&& emit) {
   switch (QT) {
-    case F32:
-      std::memcpy(y, b, 4);
-      return;
-    case F16:
-      y[0] = half(b);
-      return;
     case Q4_0:    // d * (q - 8)
     case Q4_1: {  // d * q + m
       const __m256 d = _mm256_set1_ps(half(b));
@@ -71,7 +68,7 @@ __attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, fl
       for (int c = 0; c < 4; c++) {  // values 8c..8c+7: low nibbles of bytes 0-15, then high
         __m256 v = scaled(nibbles(qs + 8 * (c % 2), c >= 2), QT == Q4_0 ? -8 : 0, d);
         if (QT == Q4_1) v = _mm256_add_ps(v, _mm256_set1_ps(half(b + 2)));
-        _mm256_storeu_ps(y + 8 * c, v);
+        emit(c, v);
       }
       return;
     }
@@ -85,13 +82,13 @@ __attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, fl
         const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(qh)), shift),
                                                _mm256_set1_epi32(1));
         const __m256i q = _mm256_or_si256(nibbles(b + 6 + 8 * (c % 2), c >= 2), _mm256_slli_epi32(fifth, 4));
-        _mm256_storeu_ps(y + 8 * c, scaled(q, -16, d));
+        emit(c, scaled(q, -16, d));
       }
       return;
     }
     case Q8_0: {  // q * d
       const __m256 d = _mm256_set1_ps(half(b));
-      for (int c = 0; c < 4; c++) _mm256_storeu_ps(y + 8 * c, scaled(eight_signed(b + 2 + 8 * c), 0, d));
+      for (int c = 0; c < 4; c++) emit(c, scaled(eight_signed(b + 2 + 8 * c), 0, d));
       return;
     }
     case Q4_K:
@@ -107,7 +104,7 @@ __attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, fl
         for (int c = 0; c < 4; c++) {
           __m256i q = nibbles(qs + 32 * (g / 2) + 8 * c, g % 2);
           if (QT == Q5_K) q = _mm256_or_si256(q, fifth_bits(qh + 8 * c, g));
-          _mm256_storeu_ps(y + 32 * g + 8 * c, _mm256_sub_ps(scaled(q, 0, d1), m1));
+          emit(4 * g + c, _mm256_sub_ps(scaled(q, 0, d1), m1));
         }
       }
       return;
@@ -123,11 +120,23 @@ __attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, fl
           const __m256i low = nibbles(ql + 64 * h + 32 * (r % 2) + 16 * part + 8 * c, r >= 2);
           const __m256i top = _mm256_and_si256(_mm256_srli_epi32(eight(qh + 32 * h + 16 * part + 8 * c), 2 * r),
                                                _mm256_set1_epi32(3));
-          _mm256_storeu_ps(y + 16 * i + 8 * c, scaled(_mm256_or_si256(low, _mm256_slli_epi32(top, 4)), -32, scale));
+          emit(2 * i + c, scaled(_mm256_or_si256(low, _mm256_slli_epi32(top, 4)), -32, scale));
         }
       }
       return;
     }
+  }
+}
+
+// one block of `QT` at b -> its Format::values values at y
+template <int64_t QT>
+__attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, float* y) {
+  if (QT == F32) {
+    std::memcpy(y, b, 4);
+  } else if (QT == F16) {
+    y[0] = half(b);
+  } else {
+    block_chunks<QT>(b, [&](int j, __m256 v) { _mm256_storeu_ps(y + 8 * j, v); });
   }
 }
 
@@ -190,6 +199,45 @@ void row_group(const float* x, int64_t M, const uint8_t* rows, int64_t row_bytes
     for (int r = 0; r < R; r++) out[m * ldo + r] = sum_lanes(acc[m * R + r]);
 }
 
+// bytes ahead of the block being read that a one-row product prefetches (the hardware prefetcher alone leaves the
+// small blocks of a Q5_0 layer waiting on memory: gguf_formats.h, prefetch_share)
+constexpr int64_t kAhead = 4096;
+
+// out[m * ldo] = one weight row (a block type) times rows 0..MB-1 of x, each value dequantized in a register and
+// multiplied at once, never stored: the same values, the same chain of fused multiply-adds per lane (k = l, l + 16,
+// ... in order, lanes 0-7 even chunks of 8, lanes 8-15 odd ones) and the same lane sum as row_group, so the same bits
+template <int64_t QT, int MB>
+void fused_row(const float* x, int64_t K, const uint8_t* row, const Format& f, float* out, int64_t ldo) {
+  Lanes a[MB];
+  for (int m = 0; m < MB; m++) a[m] = Lanes{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const char* fetched = reinterpret_cast<const char*>(row) + kAhead;
+  for (int64_t blk = 0, k0 = 0; k0 < K; blk++, k0 += f.values) {
+    const uint8_t* b = row + blk * f.bytes;
+    for (; fetched < reinterpret_cast<const char*>(b) + f.bytes + kAhead; fetched += 64)
+      _mm_prefetch(fetched, _MM_HINT_T0);
+    block_chunks<QT>(b, [&](int j, __m256 v) {
+      for (int m = 0; m < MB; m++) {
+        const __m256 xv = _mm256_loadu_ps(x + m * K + k0 + 8 * j);
+        if (j % 2 == 0) {
+          a[m].lo = _mm256_fmadd_ps(xv, v, a[m].lo);
+        } else {
+          a[m].hi = _mm256_fmadd_ps(xv, v, a[m].hi);
+        }
+      }
+    });
+  }
+  for (int m = 0; m < MB; m++) out[m * ldo] = sum_lanes(a[m]);
+}
+
+// rows 0..MB-1 of x times every weight row, one row at a time (fused_row), weight rows split between the threads
+template <int64_t QT, int MB>
+void fused_rows(const float* x, const uint8_t* blocks, int64_t row_bytes, const Format& f, float* out, int64_t N,
+                int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++) fused_row<QT, MB>(x, K, blocks + n * row_bytes, f, out + n, N);
+  });
+}
+
 // the kernel's rows, for the operators' shells (gguf_formats.h)
 struct Rows {
   template <int64_t QT>
@@ -202,6 +250,15 @@ struct Rows {
   template <int64_t QT>
   static void mm(const float* x, int64_t M, const uint8_t* blocks, int64_t row_bytes, const Format& f, float* out,
                  int64_t N, int64_t K) {
+    if constexpr (QT != F32 && QT != F16) {  // 1-4 rows of x (a decode step, a verification): fused
+      switch (M) {
+        case 1: fused_rows<QT, 1>(x, blocks, row_bytes, f, out, N, K); return;
+        case 2: fused_rows<QT, 2>(x, blocks, row_bytes, f, out, N, K); return;
+        case 3: fused_rows<QT, 3>(x, blocks, row_bytes, f, out, N, K); return;
+        case 4: fused_rows<QT, 4>(x, blocks, row_bytes, f, out, N, K); return;
+        default: break;  // more rows: each piece dequantized once into L1 for all of them
+      }
+    }
     const int64_t groups = (N + kRows - 1) / kRows;
     at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> w(kRows * kPiece);
