@@ -129,6 +129,14 @@ ATTENTION_BLOCK = 512
 #: it costs: docs/assisted-generation.md ("Attention's query rows"), benchmarks/chunk_exactness.py
 ATTENTION_ROW_MULTIPLE = 4
 
+#: the exact graphs' own Inductor kernels (norms, rotary, softmax's neighbours: the GEMMs, our GGUF kernels and SDPA keep
+#: their threads) never split a loop between threads (``cpp.min_chunk_size``, the work each thread must get first, set
+#: beyond any tensor's size). With 2 or more threads Inductor splits a reduction whose outer loops have fewer rows
+#: than threads (a 1-token graph's RMSNorm over a hidden size of 1024 or more) between the threads, which sum their
+#: parts in another order than the 4-token graph, whose rows it splits instead; the check at the chunk graph's compile
+#: then turned verification off (docs/assisted-generation.md, "Inductor's parallel reductions")
+SERIAL_KERNELS_MIN_CHUNK = 2 ** 62
+
 #: the oldest torch whose Inductor has the CPU AMX bf16 GEMM template the step relies on
 MIN_TORCH_FOR_COMPILE = "2.6"
 
@@ -424,6 +432,8 @@ class CompiledDecodeStep:
         #: logits then do not depend on the call it comes in, as the kernel's rounding depends on the rows it reads,
         #: masked ones included) rather than the filled rows (bf16 and int8)
         self.exact = self.dtype == torch.float32 and not int8
+        if self.exact and hasattr(getattr(torch._inductor.config, "cpp", None), "min_chunk_size"):
+            self._settings["cpp.min_chunk_size"] = SERIAL_KERNELS_MIN_CHUNK
         # SDPA's query rows in fours where the kernel rounds the 1-token graph's otherwise (attention_query_rows)
         self.module.pad_query_rows = self.exact and not attention_rows_round_alike(
             decoder.kv_heads, decoder.num_heads // decoder.kv_heads, decoder.head_dim)

@@ -727,3 +727,35 @@ def test_the_prompt_is_prefilled_alone_so_the_first_logits_are_plain_decodings(t
             assert torch.equal(got.sequences, plain.sequences), name
             differ = [i for i, (a, b) in enumerate(zip(got.logits, plain.logits)) if not torch.equal(a, b)]
             assert not differ, f"{name}, seed {seed}: the logits of tokens {differ} differ from plain decoding's"
+
+
+def test_on_2_threads_a_wide_model_verifies_chunks_as_its_steps_decode():
+    """With 2 threads, Inductor split a 1-token graph's reduction over a hidden size of 1536 (its RMSNorm: fewer
+    rows than threads) between the threads, and the 4-token graph's rows instead: the sums ran in other orders and
+    the chunk check turned verification off (Qwen2.5-1.5B's width; found 2026-12-07 on an AVX2 EPYC). The exact
+    graphs' own kernels now stay on one thread (compiled_step.SERIAL_KERNELS_MIN_CHUNK): the chunk graph gives every
+    row the 1-token graph's bits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=1536, intermediate_size=256,
+                                             num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=2,
+                                             max_position_embeddings=512)).eval()
+        compiled = IPEXModelForCausalLM.from_transformers_model(model, backend="torch", torch_compile=True)
+        step = compiled.runner.step
+        assert step is not None and step.exact
+        assert step._settings["cpp.min_chunk_size"] == compiled_step.SERIAL_KERNELS_MIN_CHUNK
+        torch.manual_seed(1)
+        prompt, more = torch.randint(0, 512, (1, 9)), torch.randint(0, 512, (1, 4))
+        caches = [compiled.runner.new_cache(1, 10) for _ in range(2)]
+        for cache in caches:
+            compiled(prompt, past_key_values=cache)
+        steps = torch.cat([compiled(more[:, i:i + 1], past_key_values=caches[0]).logits for i in range(4)], 1)
+        chunk = compiled(more, past_key_values=caches[1]).logits
+        assert step.chunk_exact is True and not step.failed
+        assert torch.equal(chunk, steps)
+    finally:
+        torch.set_num_threads(previous)
