@@ -129,8 +129,8 @@ ATTENTION_BLOCK = 512
 #: it costs: docs/assisted-generation.md ("Attention's query rows"), benchmarks/chunk_exactness.py
 ATTENTION_ROW_MULTIPLE = 4
 
-#: the exact graphs' own Inductor kernels (norms, rotary, softmax's neighbours: the GEMMs, our GGUF kernels and SDPA keep
-#: their threads) never split a loop between threads (``cpp.min_chunk_size``, the work each thread must get first, set
+#: the exact graphs' own Inductor kernels (norms, rotary, softmax's neighbours; the GEMMs, our GGUF kernels and SDPA
+#: keep their threads) never split a loop between threads (``cpp.min_chunk_size``, the work each thread must get first, set
 #: beyond any tensor's size). With 2 or more threads Inductor splits a reduction whose outer loops have fewer rows
 #: than threads (a 1-token graph's RMSNorm over a hidden size of 1024 or more) between the threads, which sum their
 #: parts in another order than the 4-token graph, whose rows it splits instead; the check at the chunk graph's compile
