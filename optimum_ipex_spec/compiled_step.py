@@ -432,8 +432,11 @@ class CompiledDecodeStep:
         #: logits then do not depend on the call it comes in, as the kernel's rounding depends on the rows it reads,
         #: masked ones included) rather than the filled rows (bf16 and int8)
         self.exact = self.dtype == torch.float32 and not int8
-        if self.exact and hasattr(getattr(torch._inductor.config, "cpp", None), "min_chunk_size"):
+        cpp = getattr(torch._inductor.config, "cpp", None)
+        if self.exact and hasattr(cpp, "min_chunk_size"):
             self._settings["cpp.min_chunk_size"] = SERIAL_KERNELS_MIN_CHUNK
+            if hasattr(cpp, "dynamic_threads"):  # else one loop is split whatever the chunk size
+                self._settings["cpp.dynamic_threads"] = False
         # SDPA's query rows in fours where the kernel rounds the 1-token graph's otherwise (attention_query_rows)
         self.module.pad_query_rows = self.exact and not attention_rows_round_alike(
             decoder.kv_heads, decoder.num_heads // decoder.kv_heads, decoder.head_dim)

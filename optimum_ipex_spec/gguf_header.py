@@ -33,6 +33,9 @@ _MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 _MAX_NESTING = 4
 #: keys whose array values are stepped over (:attr:`GGUFHeader.array_lengths` keeps their lengths)
 SKIPPED_ARRAYS = ("tokenizer.",)
+#: arrays longer than this are stepped over under any key (a crafted file's array as large as the file would take
+#: several times its size as Python objects); the metadata a model's config reads holds a few elements per key
+MAX_KEPT_ARRAY = 65536
 
 
 class GGUFError(ValueError):
@@ -55,7 +58,8 @@ class TensorInfo:
 @dataclass
 class GGUFHeader:
     """What :func:`read_header` found: ``fields`` (key -> int, float, bool, str or list; the arrays of keys under
-    :data:`SKIPPED_ARRAYS` left out), ``array_lengths`` (key -> element count of every array, skipped or not),
+    :data:`SKIPPED_ARRAYS`, and those longer than :data:`MAX_KEPT_ARRAY`, left out), ``array_lengths`` (key ->
+    element count of every array, skipped or not),
     ``tensors`` in the file's order, ``data_offset`` (the byte where the data section begins) and ``alignment``."""
 
     version: int
@@ -126,6 +130,7 @@ class _Cursor:
         if depth >= _MAX_NESTING:
             raise self.fail(f"arrays nested more than {_MAX_NESTING} deep")
         element, count = self.u32(), self.u64()
+        keep = keep and count <= MAX_KEPT_ARRAY
         if element in _SCALARS:
             width = _SCALARS[element][1]
             self.need(count * width)
@@ -138,10 +143,14 @@ class _Cursor:
             self.skip_strings(count)
             return count, None
         self.need(8 * count)  # a string or a nested array's header takes at least 8 bytes (a string) or 12
+        if not keep:
+            for _ in range(count):
+                self.value(element, False, depth + 1)
+            return count, None
         values = [self.value(element, keep, depth + 1) for _ in range(count)]
         if element == _ARRAY:
             values = [inner for _, inner in values]
-        return count, (values if keep else None)
+        return count, values
 
 
 def read_header(path: os.PathLike) -> GGUFHeader:
@@ -153,18 +162,19 @@ def read_header(path: os.PathLike) -> GGUFHeader:
         FileNotFoundError: no such file.
         GGUFError: not a GGUF file (another magic), a version other than 2 and 3, a big-endian file, a header
             that runs past the file's end, a duplicated key, a value type GGUF does not define, more than 4
-            dimensions, an alignment that is not a positive integer.
+            dimensions, an alignment that is not a power of two.
     """
     path = str(path)
-    size = os.path.getsize(path)
-    if size < 24:
-        raise GGUFError(f"{path} is {size} bytes long: not a GGUF file")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        buffer = memoryview(mapped)
-        try:
-            return _parse(_Cursor(buffer, path), path, size)
-        finally:
-            buffer.release()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise GGUFError(f"{path} is {size} bytes long: not a GGUF file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            buffer = memoryview(mapped)
+            try:
+                return _parse(_Cursor(buffer, path), path, len(buffer))
+            finally:
+                buffer.release()
 
 
 def _parse(cursor: _Cursor, path: str, size: int) -> GGUFHeader:
@@ -187,15 +197,14 @@ def _parse(cursor: _Cursor, path: str, size: int) -> GGUFHeader:
             raise cursor.fail(f"key {key} twice")
         type_id = cursor.u32()
         if type_id == _ARRAY:
-            keep = not key.startswith(SKIPPED_ARRAYS)
-            lengths[key], values = cursor.value(type_id, keep)
-            if keep:
+            lengths[key], values = cursor.value(type_id, not key.startswith(SKIPPED_ARRAYS))
+            if values is not None:
                 fields[key] = values
         else:
             fields[key] = cursor.value(type_id, True)
     alignment = fields.get("general.alignment", 32)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
-        raise GGUFError(f"{path}: general.alignment is {alignment!r}, not a positive integer: a damaged file")
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: general.alignment is {alignment!r}, not a power of two: a damaged file")
     tensors, names = [], set()
     for _ in range(tensor_count):
         name = cursor.string()

@@ -118,8 +118,8 @@ def config_from_metadata(gguf):
     as the installed transformers builds it for a ``llama`` or ``qwen2`` file: its key table
     (:func:`~optimum_ipex_spec.compat.gguf_config_mapping`) over the ``general``, architecture and ``tokenizer`` keys,
     the head tied where the file has no ``output.weight``, the vocabulary's length where the metadata has no
-    ``vocab_size``. None for another architecture, and for a ``llama`` file transformers reads as Mistral (by its
-    ``general.name``): the caller then asks transformers.
+    ``vocab_size``, a one-element array read as its element. None for another architecture, and for a ``llama`` file
+    whose ``general.name`` mentions Mistral (transformers may read it as Mistral): the caller then asks transformers.
 
     transformers reads the same metadata with gguf-py's reader, which spends about 9 s on a 151,936-token vocabulary;
     our header reader steps over it (:mod:`~optimum_ipex_spec.gguf_header`). A test compares both configs on every
@@ -138,7 +138,8 @@ def config_from_metadata(gguf):
     for prefix in ("general", architecture, "tokenizer"):
         for key, attribute in mapping.get(prefix, {}).items():
             if attribute not in (None, -1) and f"{prefix}.{key}" in fields:
-                values[attribute] = fields[f"{prefix}.{key}"]
+                value = fields[f"{prefix}.{key}"]
+                values[attribute] = value[0] if isinstance(value, list) and len(value) == 1 else value
     if "vocab_size" not in values and "tokenizer.ggml.tokens" in gguf.array_lengths:
         values["vocab_size"] = gguf.array_lengths["tokenizer.ggml.tokens"]
     config = AutoConfig.for_model(**values)

@@ -148,7 +148,8 @@ def _string(s: bytes) -> bytes:
     (_minimal(kv=_string(b"tokenizer.x") + struct.pack("<IIQQ", 9, 8, 2, 2**63)), "runs past the end"),
     (_minimal(kv=_string(b"k") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 9, 1) * 5),
      "nested more than 4 deep"),
-    (_minimal(kv=_string(b"general.alignment") + struct.pack("<II", 4, 0)), "not a positive integer"),
+    (_minimal(kv=_string(b"general.alignment") + struct.pack("<II", 4, 0)), "not a power of two"),
+    (_minimal(kv=_string(b"general.alignment") + struct.pack("<II", 4, 24)), "not a power of two"),
     (_minimal(kv=(_string(b"a") + struct.pack("<IB", 0, 1)) * 2, kv_count=2), "key a twice"),
     (_minimal(tensor_count=1) [:24] + _string(b"t") + struct.pack("<I", 5) + b"\0" * 80, "5 dimensions"),
     (_minimal(tensor_count=2)[:24] + (_string(b"t") + struct.pack("<IQIQ", 1, 32, 0, 0)) * 2 + b"\0" * 64,
@@ -164,3 +165,20 @@ def test_impossible_headers_are_refused_by_name(tmp_path, body, message):
 def test_a_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_header(tmp_path / "none.gguf")
+
+
+def test_a_long_array_is_stepped_over_under_any_key(tmp_path):
+    """A crafted file's array as large as the file would take several times its size as Python objects: past
+    MAX_KEPT_ARRAY elements only its length is kept, under any key, nested or not."""
+    from optimum_ipex_spec import gguf_header
+
+    n = gguf_header.MAX_KEPT_ARRAY + 1
+    big = struct.pack("<IIQ", 9, 0, n) + b"\1" * n
+    nested = struct.pack("<IIQ", 9, 9, n) + struct.pack("<IQ", 0, 0) * n
+    small = struct.pack("<IIQ", 9, 0, 2) + b"\1\2"
+    kv = _string(b"big") + big + _string(b"nested") + nested + _string(b"small") + small
+    path = tmp_path / "x.gguf"
+    path.write_bytes(_minimal(kv=kv, kv_count=3))
+    header = read_header(path)
+    assert header.fields == {"small": [1, 2]}
+    assert header.array_lengths == {"big": n, "nested": n, "small": 2}

@@ -189,7 +189,7 @@ def _unpermute(weights: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(folder, arch: str, seed: int = 0, name: str = "model.gguf", truncate: int = 0,
-                    bad_type: bool = False) -> str:
+                    bad_type: bool = False, head_count_kv_array: bool = False) -> str:
     """A tiny ``arch`` ("llama", tied head; "qwen2", untied head and q/k/v biases) model as ``folder/name`` (GGUF
     blocks of every type, PLAN) plus ``config.json`` and the dense fp32 model of the file's dequantized weights
     (``model.safetensors``: the reference, and the checkpoint self_draft() reads)."""
@@ -208,7 +208,7 @@ def write_tiny_gguf(folder, arch: str, seed: int = 0, name: str = "model.gguf", 
     writer = gguf.GGUFWriter(os.path.join(folder, name), arch)
     writer.add_block_count(LAYERS)
     writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_head_count_kv([KV_HEADS] if head_count_kv_array else KV_HEADS)
     writer.add_embedding_length(HIDDEN)
     writer.add_layer_norm_rms_eps(model.config.rms_norm_eps)
     state = {}
@@ -747,3 +747,21 @@ def test_fast_mode_keeps_a_nan_activation_visible(interleaved_ops, name):
                 ops.mm_interleaved(x, ops.interleave(blocks, block.qtype, 256), block.qtype, 256)):
         assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all() and torch.equal(out[2], torch.zeros(16))
         assert torch.isnan(out[3:]).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bare_files_config_is_transformers(kernel, tiny_gguf, tmp_path, arch):
+    """A .gguf file with no config.json beside it: the config built from its metadata (our header reader) is the one
+    transformers' AutoConfig(gguf_file=) builds, every attribute, a one-element array read as its element too."""
+    import transformers
+
+    from optimum_ipex_spec.gguf_loading import config_from_metadata
+
+    folder = tmp_path / arch
+    folder.mkdir()
+    path = write_tiny_gguf(str(folder), arch, head_count_kv_array=True)
+    os.remove(folder / "config.json")
+    expected = transformers.AutoConfig.from_pretrained(str(folder), gguf_file="model.gguf")
+    ours = config_from_metadata(gw.read_gguf(path))
+    assert ours.num_key_value_heads == KV_HEADS and ours.num_hidden_layers == LAYERS
+    assert type(ours) is type(expected) and ours.to_dict() == expected.to_dict()
