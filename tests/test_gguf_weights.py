@@ -206,6 +206,7 @@ def write_tiny_gguf(folder, arch: str, seed: int = 0, name: str = "model.gguf", 
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
     model.config.architectures = [type(model).__name__]
     writer = gguf.GGUFWriter(os.path.join(folder, name), arch)
+    writer.add_name(f"tiny {arch}")  # transformers 4.51 cannot read a file's config without it
     writer.add_block_count(LAYERS)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv([KV_HEADS] if head_count_kv_array else KV_HEADS)
