@@ -109,10 +109,6 @@ def check_options(torch_dtype, backend: str, kwargs: dict) -> None:
         raise ValueError(f"weights='gguf' reads a local GGUF file; {', '.join(hub)} do not apply to it")
 
 
-#: the GGUF architectures whose config :func:`config_from_metadata` builds (those the decoder loads from GGUF)
-METADATA_CONFIG_ARCHITECTURES = ("llama", "qwen2")
-
-
 def config_from_metadata(gguf):
     """The transformers config of a GGUF file's metadata (``gguf``: a :class:`~optimum_ipex_spec.gguf_weights.GGUFFile`)
     as the installed transformers builds it for a ``llama`` or ``qwen2`` file: its key table
@@ -127,11 +123,12 @@ def config_from_metadata(gguf):
     from transformers import AutoConfig
 
     from .compat import gguf_config_mapping
+    from .gguf_weights import ARCHITECTURES
 
     fields, architecture = gguf.fields, gguf.architecture
     name = fields.get("general.name")
     mapping = gguf_config_mapping()
-    if (architecture not in METADATA_CONFIG_ARCHITECTURES or architecture not in mapping
+    if (architecture not in ARCHITECTURES or architecture not in mapping
             or (isinstance(name, str) and "mistral" in name)):
         return None
     values = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
