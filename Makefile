@@ -11,7 +11,7 @@ MARK = not slow
 endif
 NOX = $(shell scripts/ensure-tools.sh)/bin/nox
 
-.PHONY: bench-load bench-llamacpp help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-pair-compile bench-compile bench-openvino clean matrix matrix-report lanes
+.PHONY: bench-load bench-llamacpp bench-ipex-woq help venv provision provision-gemma3 provision-qwen demo test test-fast bench bench-pair bench-pair-compile bench-compile bench-openvino clean matrix matrix-report lanes
 
 help:
 	@echo "make demo       provision SmolLM2-135M-Instruct and compare stock transformers vs IPEXModelForCausalLM"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-pair-compile  the 1.5B + 0.5B pair, both compiled, torch-current lane (-> docs/benchmarks-qwen-pair-torch-compile.md)"
 	@echo "make bench-compile  torch_compile=True vs eager vs stock, torch-current lane (-> docs/benchmarks-torch-compile.md)"
 	@echo "make bench-openvino  ours vs OpenVINO GenAI side by side, SmolLM2 (-> docs/benchmarks-openvino.md; LANE=torch-current: -torch-current.md)"
+	@echo "make bench-ipex-woq  IPEX's weight-only int4 beside our GGUF kernels, ipex28 lane (-> docs/benchmarks-ipex-woq.md)"
 	@echo "make bench-llamacpp  GGUF weights as shipped: ours vs llama.cpp on the same files, torch-current lane (builds"
 	@echo "                llama.cpp once, ~20 minutes; -> docs/benchmarks-gguf.md)"
 	@echo "make matrix     every lane's test suite -> docs/version-matrix.md (LANES=\"ipex27 tf453\", MARK=\"not slow\" or FAST=1)"
@@ -105,6 +106,14 @@ bench-llamacpp: LANE = torch-current
 bench-llamacpp: provision-qwen
 	$(PY) benchmarks/gguf_llamacpp.py --llamacpp-bin "$$(scripts/build-llamacpp.sh)" \
 		--out docs/benchmarks-gguf.md --json docs/benchmarks-gguf.json $(GGUF_ARGS)
+
+# IPEX's own weight-only int4 (ipex.llm.optimize, int8 and fp32 compute) beside our GGUF kernels, in the IPEX lane
+# (issue 48). IPEX's kernels decode the 1.5B at 0.05 tokens/s on an AVX2-only CPU, hence the short default; on an
+# AVX-512 machine try WOQ_ARGS="--prompts 3 --new-tokens 128 --ours gguf-exact,gguf-fast,int4-fast"
+WOQ_ARGS ?= --prompts 1 --new-tokens 8 --ours gguf-fast
+bench-ipex-woq: LANE = ipex28
+bench-ipex-woq: provision-qwen
+	$(PY) benchmarks/ipex_woq.py --out docs/benchmarks-ipex-woq.md --json docs/benchmarks-ipex-woq.json $(WOQ_ARGS)
 
 # Ours against OpenVINO GenAI (issue 15): a worker in the `openvino` lane (requirements/openvino.txt, built on
 # first use, never in CI) beside ours in LANE; OPENVINO_ARGS, e.g. "--prompts 2 --rounds 1". On the pure-PyTorch
