@@ -14,9 +14,10 @@ the same fp32 checkpoint (a provisioned folder), the same chat prompts and threa
 
 Each IPEX model is its own quantized model (its own rounding of the weights), so only speed is compared. With two IPEX
 models of the 1.5B and ours the process held 20 GB (peak 23.5 GB: each fp32 checkpoint is read whole before IPEX
-quantizes it); three IPEX models and ours did not fit in 24 GB. Needs the ipex28 lane (``OIS_LANE=ipex28``, IPEX importable); IPEX's WOQ kernels are slow on an AVX2-only CPU (the
-1.5B decoded 0.05 tokens/s there): ``--prompts 1 --new-tokens 8 --ours gguf-fast`` keeps the run near 20 minutes, most
-of it loading and compiling. Usage::
+quantizes it); three IPEX models and ours did not fit in 24 GB. Needs the ipex28 lane (``OIS_LANE=ipex28``, IPEX
+importable). IPEX's WOQ kernels are slow on an AVX2-only CPU (the 1.5B decoded 0.05 tokens/s there):
+``--prompts 1 --new-tokens 8 --ours gguf-fast`` keeps the run near 20 minutes, most of it loading and compiling.
+Usage::
 
     python benchmarks/ipex_woq.py --out docs/benchmarks-ipex-woq.md --json docs/benchmarks-ipex-woq.json
 """

@@ -108,7 +108,8 @@ def main(argv=None) -> int:
     acceptance = accepted / proposed if proposed else 0.0
     c = statistics.median(calls[("draft", 1)]) / step
     v = statistics.median(calls[("target", args.k + 1)]) / step if calls[("target", args.k + 1)] else None
-    print(f"\nacceptance {acceptance:.3f}, {rounds} rounds, {tokens['speculative'] / max(rounds, 1):.2f} tokens a round")
+    per_round = tokens["speculative"] / max(rounds, 1)
+    print(f"\nacceptance {acceptance:.3f}, {rounds} rounds, {per_round:.2f} tokens a round")
     print(f"decode: alone {alone_rate:.2f} tok/s, speculative {spec_rate:.2f} tok/s: x{spec_rate / alone_rate:.2f}")
     if v is not None:
         bounds = {k: expected_tokens(acceptance, k) / (k * c + v) for k in range(1, CHUNK_ROWS)}
