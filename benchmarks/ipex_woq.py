@@ -151,9 +151,10 @@ def main(argv=None) -> int:
     lines += ["", f"- Read bandwidth: {bw:.1f} GB/s; weights GB: the bytes a one-token step reads (ours GGUF: the "
                   "file's tensors, the embedding one row; ours int4: its blocks), not reported for IPEX, which keeps "
                   "its quantized weights inside its operators.", ""]
+    report = "\n".join(lines)
     with open(args.out, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        f.write(report + "\n")
+    print(report)
     return 0
 
 
