@@ -18,6 +18,9 @@ proposed, and every one is verified.
     python benchmarks/acceptance_replay.py record --target qwen2.5-coder-1.5b-instruct \\
         --draft qwen2.5-coder-0.5b-instruct --draft-dtype bfloat16 --out /tmp/qwen-traces.json
     python benchmarks/acceptance_replay.py replay /tmp/qwen-traces.json
+
+``record --gguf fast`` (or ``exact``) records the provisioned GGUF files of the pair instead, both compiled; a
+compiled target verifies up to 4 tokens per call, which ``replay --variant verify_rows=4`` tells the cost model.
 """
 
 from __future__ import annotations
@@ -53,10 +56,16 @@ def record(args) -> int:
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.target))
-    target = IPEXModelForCausalLM.from_pretrained(resolve_model(args.target), export=True,
-                                                  torch_dtype=getattr(torch, args.target_dtype))
-    draft = IPEXModelForCausalLM.from_pretrained(resolve_model(args.draft), export=True,
-                                                 torch_dtype=getattr(torch, args.draft_dtype))
+    if args.gguf:  # the provisioned GGUF files as shipped, both compiled (the pair of benchmarks/gguf_llamacpp.py)
+        load = dict(weights="gguf", gguf_mode=args.gguf, torch_compile=True)
+        target = IPEXModelForCausalLM.from_pretrained(args.target, **load)
+        draft = IPEXModelForCausalLM.from_pretrained(args.draft, **load)
+        args.target_dtype = args.draft_dtype = f"GGUF {args.gguf}"
+    else:
+        target = IPEXModelForCausalLM.from_pretrained(resolve_model(args.target), export=True,
+                                                      torch_dtype=getattr(torch, args.target_dtype))
+        draft = IPEXModelForCausalLM.from_pretrained(resolve_model(args.draft), export=True,
+                                                     torch_dtype=getattr(torch, args.draft_dtype))
     traces = []
     for prompt in chat_prompts(tokenizer, n=args.prompts):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -72,7 +81,8 @@ def record(args) -> int:
     draft_ms, draft_prefill_ms = _forward_ms(draft, past, CHUNKS)
     result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
               "transformers": transformers.__version__, "backend": target.backend, "target": args.target,
-              "draft": args.draft, "target_dtype": args.target_dtype, "draft_dtype": args.draft_dtype, "new_tokens": args.new_tokens, "past": past,
+              "draft": args.draft, "target_dtype": args.target_dtype, "draft_dtype": args.draft_dtype,
+              "new_tokens": args.new_tokens, "past": past,
               "target_ms": target_ms, "draft_ms": draft_ms, "draft_prefill_ms": draft_prefill_ms, "traces": traces}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "traces"}, indent=1))
@@ -196,6 +206,8 @@ def main(argv=None) -> int:
     rec.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     rec.add_argument("--target-dtype", default="float32", choices=["float32", "bfloat16"])
     rec.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    rec.add_argument("--gguf", choices=["exact", "fast"],
+                     help="the provisioned GGUF files in this mode, compiled, instead of the dense folders")
     rec.add_argument("--prompts", type=int, default=4)
     rec.add_argument("--new-tokens", type=int, default=128)
     rec.add_argument("--out", required=True)
