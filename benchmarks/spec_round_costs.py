@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--mode", default="fast", choices=["exact", "fast"])
+    parser.add_argument("--draft-weights", default="gguf", choices=["gguf", "int4"],
+                        help="the draft's GGUF file, or its int4 copy quantized at load from the fp32 folder")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=3)
@@ -63,7 +65,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     load = dict(weights="gguf", gguf_mode=args.mode, torch_compile=True)
     target = IPEXModelForCausalLM.from_pretrained(args.target, **load)
-    draft = IPEXModelForCausalLM.from_pretrained(args.draft, **load)
+    if args.draft_weights == "int4":
+        draft = IPEXModelForCausalLM.from_pretrained(resolve_model(args.draft), export=True, weights="int4",
+                                                     gguf_mode=args.mode, torch_compile=True)
+    else:
+        draft = IPEXModelForCausalLM.from_pretrained(args.draft, **load)
     for model in (target, draft):
         model.compile_chunk_step()
     draft.generation_config.num_assistant_tokens = args.k
@@ -95,8 +101,8 @@ def main(argv=None) -> int:
                 stats = draft.last_speculation_stats
                 accepted, proposed, rounds = accepted + stats.accepted, proposed + stats.proposed, rounds + stats.rounds
     step = statistics.median(calls[("target", 1)])
-    print(f"{args.target} + {args.draft}, GGUF {args.mode}, {args.threads} thread(s), k={args.k}, "
-          f"{len(prompts)} prompts x {args.new_tokens} tokens")
+    print(f"{args.target} + {args.draft} ({args.draft_weights}), GGUF {args.mode}, {args.threads} thread(s), "
+          f"k={args.k}, {len(prompts)} prompts x {args.new_tokens} tokens")
     print("| call | calls | median ms | in target decode steps |")
     print("|---|---|---|---|")
     for (name, rows), times in sorted(calls.items()):
