@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                 "llamacpp-spec": os.path.join(args.llamacpp_bin, "llama-speculative-simple")}
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
     identical = {name: True for name, model, _ in configs if not isinstance(model, str)}
-    bandwidth, accepted, proposed, llama_load = [], 0, 0, []
+    bandwidth, llama_load = [], []
     drafted = {}  # per configuration with a draft: [accepted, proposed]
     gen = dict(max_new_tokens=args.new_tokens, do_sample=False)
     for _ in range(args.rounds):
@@ -227,7 +227,6 @@ def main(argv=None) -> int:
                     sample = {"decode": timing.decode_tokens_per_s, "ttft": timing.ttft_s}
                     stats = helper.last_speculation_stats if helper is not None else None
                     if stats is not None:
-                        accepted, proposed = accepted + stats.accepted, proposed + stats.proposed
                         counts = drafted.setdefault(name, [0, 0])
                         counts[0], counts[1] = counts[0] + stats.accepted, counts[1] + stats.proposed
                 samples[name][i].append(sample)
@@ -249,6 +248,7 @@ def main(argv=None) -> int:
                      "identical_to_ours_alone": identical.get(name)})
     file_bytes = bytes_per_token(target_gguf)
     bw = statistics.median(bandwidth)
+    accepted, proposed = (sum(counts[i] for counts in drafted.values()) for i in (0, 1))  # every draft together
     result = {"date": datetime.date.today().isoformat(), "target": args.target, "draft": args.draft,
               "threads": args.threads, "k": args.k, "prompts": len(prompts), "new_tokens": args.new_tokens,
               "rounds": args.rounds, "cpu": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
