@@ -69,6 +69,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
+    ours = args.ours.split(",")
+    unknown = sorted(set(ours) - {"gguf-exact", "gguf-fast", "int4-fast"})
+    if unknown or "gguf-fast" not in ours:
+        parser.error(f"--ours takes gguf-exact, gguf-fast and int4-fast, gguf-fast among them (the table's ratios are "
+                     f"against it); got {args.ours!r}")
 
     import torch
     from transformers import AutoTokenizer
@@ -98,7 +103,6 @@ def main(argv=None) -> int:
         configs.append((name, model))
         gc.collect()
     gguf_bytes = bytes_per_token(target_gguf)
-    ours = args.ours.split(",")
     for mode in ("exact", "fast"):
         if f"gguf-{mode}" in ours:
             model = IPEXModelForCausalLM.from_pretrained(args.target, weights="gguf", gguf_mode=mode,
