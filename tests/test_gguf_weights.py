@@ -147,6 +147,34 @@ def test_every_row_count_gives_each_row_the_same_bits(isa, threads, name):
         assert torch.equal(alone, lanes_reference(x, weight)), "not the kernels' documented sums"
 
 
+#: where each block type keeps its fp16 scales (d, and dmin or m), in bytes from the block's start
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,)}
+
+
+@pytest.mark.parametrize("name", sorted(SCALE_OFFSETS))
+def test_any_finite_scale_gives_the_documented_sums(isa, name):
+    """The kernels build a block's values with fused multiply-adds and tables where that is exact for every fp16
+    scale (gguf_gemm.cpp, k_table): scales of any sign and size, subnormals and zeros included, give gguf-py's values
+    in the documented chains."""
+    block, rng = TYPES[name], np.random.default_rng(7)
+    k = _k_for(block)
+    blocks = random_blocks(block, 37, k, rng)
+    view = blocks.reshape(37, k // block.values, block.bytes)
+    for offset in SCALE_OFFSETS[name]:
+        bits = rng.integers(0, 1 << 16, size=view.shape[:2], dtype=np.uint16)
+        bits[(bits & 0x7C00) == 0x7C00] &= 0x83FF  # an infinity or NaN becomes a subnormal or zero
+        bits[:, 0] = rng.choice(np.array([0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF], np.uint16), 37)
+        view[..., offset:offset + 2] = bits.view(np.uint8).reshape(*view.shape[:2], 2)
+    blocks = torch.from_numpy(blocks)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
+    weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(37, k)
+    assert torch.equal(gw.exact_dequantize(isa, blocks, block.qtype, k), weight)
+    expected = lanes_reference(x, weight)
+    assert torch.equal(gw.exact_mm(isa, x[:1], blocks, block.qtype, k), expected[:1])
+    assert torch.equal(gw.exact_mm(isa, x, blocks, block.qtype, k), expected)
+
+
 def test_reference_path_without_the_kernel(monkeypatch):
     block, rng = TYPES["Q4_K"], np.random.default_rng(3)
     blocks = torch.from_numpy(random_blocks(block, 9, 256, rng))

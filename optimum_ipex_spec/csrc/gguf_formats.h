@@ -69,11 +69,21 @@ inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
 // share of it per step of this group's loop: the hardware prefetcher alone left a decode step waiting on memory
 // (Qwen2.5-0.5B's Q5_0 layers read at 3 GB/s, against 20+ GB/s for a plain sum). A prefetch never faults, so the
 // addresses past the tensor's end that the last group asks for are harmless.
-inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t step, int64_t steps) {
-  const int64_t share = ((bytes + steps - 1) / steps + 63) / 64 * 64;
-  const char* p = reinterpret_cast<const char*>(next) + step * share;
-  for (int64_t i = 0; i < share; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-}
+// The shares are computed once, then taken one per step (no division in a kernel's loop).
+class PrefetchShares {
+ public:
+  PrefetchShares(const uint8_t* next, int64_t bytes, int64_t steps)
+      : p_(reinterpret_cast<const char*>(next)), share_(((bytes + steps - 1) / steps + 63) / 64 * 64) {}
+  // prefetches the next share
+  void step() {
+    for (int64_t i = 0; i < share_; i += 64) _mm_prefetch(p_ + i, _MM_HINT_T0);
+    p_ += share_;
+  }
+
+ private:
+  const char* p_;
+  int64_t share_;
+};
 
 // 8 fp32 lanes summed in one fixed order: lanes 4-7 + 0-3, then [0] + [2] and [1] + [3], then the two. The exact
 // kernels sum their 16 lanes as sum8(lanes 8-15 + lanes 0-7), so both give the same bits; the AVX2 fast kernel sums

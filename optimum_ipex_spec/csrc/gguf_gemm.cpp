@@ -209,14 +209,35 @@ inline __m512i shifts(int a, int b) {
   return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
 }
 
-// 128-bit lane `i` (0..3) of v
-inline __m128i quarter(__m512i v, int i) {
-  switch (i) {
-    case 0: return _mm512_castsi512_si128(v);
-    case 1: return _mm512_extracti32x4_epi32(v, 1);
-    case 2: return _mm512_extracti32x4_epi32(v, 2);
-    default: return _mm512_extracti32x4_epi32(v, 3);
-  }
+// Q4_K / Q5_K: a block's 8 sub-block scales d * sc (lanes 0-7) and mins negated, -(dmin * mn) (lanes 8-15), each the
+// one fp32 product that scale_min_k4's integers make with d or dmin (negating a product is exact). Lanes j and 8 + j
+// gather the bytes scale_min_k4 reads for sub-block j from the 16 loaded at b + 4: the 12 scale bytes, then 4 code
+// bytes that nothing uses.
+inline __m512 k_scales(const uint8_t* b) {
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+  // j < 4: s[j] & 63 and s[j + 4] & 63; j >= 4: s[j + 4] & 15 and s[j + 4] >> 4 ...
+  const __m512i low = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11,
+                                                                                 4, 5, 6, 7, 8, 9, 10, 11)));
+  // ... with bits 4-5 from s[j - 4] >> 6 and s[j] >> 6
+  const __m512i top = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3,
+                                                                                 4, 5, 6, 7, 4, 5, 6, 7)));
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+  const __m512i keep = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m512i high = _mm512_setr_epi32(0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30);
+  const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(low, shift), keep),
+                                    _mm512_and_si512(_mm512_srli_epi32(top, 2), high));  // bits 6-7 to 4-5
+  const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half(b)), _mm512_set1_ps(-half(b + 2)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+}
+
+// the 16 values (d * sc) * (i + offset) - dmin * mn, i = 0..15, of sub-block g from k_scales' lanes at s: the values
+// of its nibbles (offset 0) or 5-bit codes 16..31 (offset 16), bit for bit dequantize_block's. d * sc holds at most
+// 11 + 6 significant bits, so its product by a 5-bit integer is exact and one fused multiply-add rounds as the
+// product and difference do.
+inline __m512 k_table(const float* s, int g, int offset) {
+  const __m512 i = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(_mm512_set1_ps(s[g]), _mm512_add_ps(i, _mm512_set1_ps(static_cast<float>(offset))),
+                         _mm512_set1_ps(s[8 + g]));
 }
 
 // acc[m][r] += x[m, 0:16] * w[r] (x rows ldx apart): one step of fma_chain with the 16 weight values in registers
@@ -240,8 +261,9 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
   const int64_t chunk = f.values > kChunkK ? f.values : kChunkK;
   const int64_t steps = (K + chunk - 1) / chunk;
   const __m512i low4 = _mm512_set1_epi32(0x0F);
+  PrefetchShares prefetch(rows + R * row_bytes, kRowsN * row_bytes, steps);
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-    prefetch_share(rows + R * row_bytes, kRowsN * row_bytes, k0 / chunk, steps);
+    prefetch.step();
     const int64_t k1 = k0 + chunk < K ? k0 + chunk : K;
     if (QT == F32 || QT == F16) {  // 16 values read (F16: converted, exactly) at a time
       for (int64_t k = k0; k < k1; k += 16) {
@@ -275,40 +297,72 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
             codes[r][2 * h + 1] =
                 _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib), down), bias);
           }
+        // the 16 scales d * sc (each the one fp32 product dequantize_block makes), and the codes stored, so that
+        // each 16 of them widen straight from memory
+        alignas(64) float dsc[R][16];
+        alignas(64) int8_t q8[R][256];
+        for (int r = 0; r < R; r++) {
+          const __m512 sc = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[r] + 192))));
+          _mm512_store_ps(dsc[r], _mm512_mul_ps(_mm512_set1_ps(half(b[r] + 208)), sc));
+          for (int c = 0; c < 4; c++) _mm512_store_si512(q8[r] + 64 * c, codes[r][c]);
+        }
+        __asm__ volatile("" ::: "memory");  // the scales broadcast from memory (a load), as Q4_K's below
         for (int i = 0; i < 16; i++) {
           __m512 w[R];
           for (int r = 0; r < R; r++) {
-            const __m512i q = _mm512_cvtepi8_epi32(quarter(codes[r][i / 4], i % 4));
-            const int8_t sc = static_cast<int8_t>(b[r][192 + i]);
-            w[r] = _mm512_mul_ps(_mm512_set1_ps(half(b[r] + 208) * static_cast<float>(sc)), _mm512_cvtepi32_ps(q));
+            const __m512i q = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q8[r] + 16 * i)));
+            w[r] = _mm512_mul_ps(_mm512_set1_ps(dsc[r][i]), _mm512_cvtepi32_ps(q));
           }
           fma_step<M, R>(xb + 16 * i, ldx, w, acc);
         }
-      } else if (QT == Q4_K || QT == Q5_K) {  // (d * sc) * q - dmin * mn per sub-block of 32
+      } else if (QT == Q4_K) {  // (d * sc) * q - dmin * mn per sub-block of 32
+        // sub-blocks 2j and 2j + 1 share 32 bytes of codes (low nibbles, high nibbles): each 16 bytes widened once,
+        // the index of both; each sub-block's 16 values one table, k_table's
+        alignas(64) float scales[R][16];
+        for (int r = 0; r < R; r++) _mm512_store_ps(scales[r], k_scales(b[r]));
+        // read back from memory: a broadcast from memory is a load, while one from a register takes the shuffle
+        // port that the widening and the permutes already fill
+        __asm__ volatile("" ::: "memory");
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+          __m512i idx[R][2];
+          __m512 lo[R], hi[R];
+          for (int r = 0; r < R; r++) {
+            for (int part = 0; part < 2; part++)
+              idx[r][part] = _mm512_cvtepu8_epi32(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[r] + 16 + 32 * j + 16 * part)));
+            lo[r] = k_table(scales[r], 2 * j, 0);
+            hi[r] = k_table(scales[r], 2 * j + 1, 0);
+          }
+          for (int v = 0; v < 4; v++) {  // values 64j + 16v ..: low nibbles of each 16 bytes, then high
+            __m512 w[R];
+            for (int r = 0; r < R; r++)  // the permute reads each index's low 4 bits
+              w[r] = v < 2 ? _mm512_permutexvar_ps(idx[r][v], lo[r])
+                           : _mm512_permutexvar_ps(_mm512_srli_epi32(idx[r][v - 2], 4), hi[r]);
+            fma_step<M, R>(xb + 64 * j + 16 * v, ldx, w, acc);
+          }
+        }
+      } else if (QT == Q5_K) {  // (d * sc) * q - dmin * mn per sub-block of 32, q = nibble | fifth bit << 4
+        alignas(64) float scales[R][16];
+        for (int r = 0; r < R; r++) _mm512_store_ps(scales[r], k_scales(b[r]));
         for (int g = 0; g < 8; g++) {
           __m512 lo[R], hi[R];
           for (int r = 0; r < R; r++) {
-            int sc, mn;
-            scale_min_k4(b[r] + 4, g, &sc, &mn);
-            const float d1 = half(b[r]) * static_cast<float>(sc), m1 = half(b[r] + 2) * static_cast<float>(mn);
-            lo[r] = _mm512_sub_ps(nibble_table(d1, 0), _mm512_set1_ps(m1));
-            hi[r] = QT == Q5_K ? _mm512_sub_ps(nibble_table(d1, 16), _mm512_set1_ps(m1)) : lo[r];
+            lo[r] = k_table(scales[r], g, 0);
+            hi[r] = k_table(scales[r], g, 16);
           }
           for (int part = 0; part < 2; part++) {
             __m512 w[R];
             for (int r = 0; r < R; r++) {
-              const uint8_t* qs = b[r] + (QT == Q5_K ? 48 : 16) + 32 * (g / 2) + 16 * part;
+              const uint8_t* qs = b[r] + 48 + 32 * (g / 2) + 16 * part;
               __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
               if (g % 2) idx = _mm512_srli_epi32(idx, 4);
-              if (QT == Q4_K) {
-                w[r] = _mm512_permutexvar_ps(idx, lo[r]);  // the permute reads each index's low 4 bits
-              } else {
-                const __m512i h = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[r] + 16 + 16 * part)));
-                idx = _mm512_or_si512(_mm512_and_si512(idx, low4), _mm512_slli_epi32(
-                    _mm512_and_si512(_mm512_srli_epi32(h, g), _mm512_set1_epi32(1)), 4));
-                w[r] = _mm512_permutex2var_ps(lo[r], idx, hi[r]);  // index bit 4 picks the table
-              }
+              const __m512i h = _mm512_cvtepu8_epi32(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[r] + 16 + 16 * part)));
+              idx = _mm512_or_si512(_mm512_and_si512(idx, low4), _mm512_slli_epi32(
+                  _mm512_and_si512(_mm512_srli_epi32(h, g), _mm512_set1_epi32(1)), 4));
+              w[r] = _mm512_permutex2var_ps(lo[r], idx, hi[r]);  // index bit 4 picks the table
             }
             fma_step<M, R>(xb + 32 * g + 16 * part, ldx, w, acc);
           }
@@ -332,8 +386,9 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
 template <int64_t QT, int R>
 void many_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int64_t row_bytes,
                const Format& f, int64_t K, float* buf, float* out, int64_t ldo) {
+  PrefetchShares prefetch(rows + R * row_bytes, kRowsN * row_bytes, R);
   for (int r = 0; r < R; r++) {
-    prefetch_share(rows + R * row_bytes, kRowsN * row_bytes, r, R);
+    prefetch.step();
     dequantize_row<QT>(f, rows + r * row_bytes, buf + r * K, K);
   }
   __m512 acc[kRowsM][kRowsN];

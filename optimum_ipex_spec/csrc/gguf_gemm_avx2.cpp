@@ -189,8 +189,9 @@ void row_group(const float* x, int64_t M, const uint8_t* rows, int64_t row_bytes
   const Lanes zero{_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < M * R; i++) acc[i] = zero;
   const int64_t pieces = (K + kPiece - 1) / kPiece;
+  PrefetchShares prefetch(rows + R * row_bytes, kRows * row_bytes, pieces);
   for (int64_t k0 = 0; k0 < K; k0 += kPiece) {
-    prefetch_share(rows + R * row_bytes, kRows * row_bytes, k0 / kPiece, pieces);
+    prefetch.step();
     const int64_t k1 = k0 + kPiece < K ? k0 + kPiece : K;
     for (int r = 0; r < R; r++) dequantize_piece<QT>(rows + r * row_bytes, f, k0, k1, w + r * kPiece);
     for (int64_t m = 0; m < M; m++) fma_piece<R>(x + m * K + k0, w, k1 - k0, acc + m * R);
@@ -200,7 +201,7 @@ void row_group(const float* x, int64_t M, const uint8_t* rows, int64_t row_bytes
 }
 
 // bytes ahead of the block being read that a one-row product prefetches (the hardware prefetcher alone leaves the
-// small blocks of a Q5_0 layer waiting on memory: gguf_formats.h, prefetch_share)
+// small blocks of a Q5_0 layer waiting on memory: gguf_formats.h, PrefetchShares)
 constexpr int64_t kAhead = 4096;
 
 // out[m * ldo] = one weight row (a block type) times rows 0..MB-1 of x, each value dequantized in a register and
