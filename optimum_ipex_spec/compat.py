@@ -122,6 +122,13 @@ def ipex_matches_torch(ipex_version: str, torch_version: str) -> bool:
     return major_minor(ipex_version) == major_minor(torch_version)
 
 
+def torch_at_least(minimum: str) -> bool:
+    """True when the installed torch is ``minimum`` or newer (its local part, ``+cpu``, ignored)."""
+    import torch
+
+    return parse_version(torch.__version__) >= parse_version(minimum)
+
+
 def ipex_older_than(ipex_version: str, minimum: str) -> bool:
     """True when IPEX ``ipex_version`` predates ``minimum``."""
     return parse_version(ipex_version) < parse_version(minimum)

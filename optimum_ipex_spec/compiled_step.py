@@ -70,6 +70,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .compat import torch_at_least
 from .dense_weights import onednn_bf16_available
 from .facts import dtype_name
 from .gguf_weights import GGUFLinear
@@ -176,7 +177,7 @@ def check_torch_compile(backend: str, model: torch.nn.Module, dtype: torch.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"torch_compile=True compiles fp32 and bf16 models (got {dtype}): load the checkpoint with "
                          "torch_dtype=torch.float32 or torch.bfloat16, or drop torch_compile.")
-    if not _torch_at_least(MIN_TORCH_FOR_COMPILE):
+    if not torch_at_least(MIN_TORCH_FOR_COMPILE):
         raise ValueError(f"torch_compile=True needs torch >= {MIN_TORCH_FOR_COMPILE} (Inductor's CPU bf16 GEMM "
                          f"template); this is torch {torch.__version__}. Upgrade torch, or drop torch_compile.")
     unsupported = dense_bf16_compile_unsupported() if weights == "dense" and dtype == torch.bfloat16 else None
@@ -423,8 +424,8 @@ class CompiledDecodeStep:
         # the settings this torch has (older releases lack the reporting switches)
         self._settings = {k: v for k, v in INDUCTOR_SETTINGS.items() if hasattr(torch._inductor.config, k)}
         self._settings["max_autotune_gemm_backends"] = (
-            "CPP" if _torch_at_least(CPP_ONLY_FROM_TORCH) else GEMM_BACKENDS_BEFORE_CPP_ONLY)
-        if _torch_at_least(CPP_WRAPPER_FROM_TORCH) and hasattr(torch._inductor.config, "cpp_wrapper"):
+            "CPP" if torch_at_least(CPP_ONLY_FROM_TORCH) else GEMM_BACKENDS_BEFORE_CPP_ONLY)
+        if torch_at_least(CPP_WRAPPER_FROM_TORCH) and hasattr(torch._inductor.config, "cpp_wrapper"):
             self._settings["cpp_wrapper"] = True
         #: seconds the first compile took (None before :meth:`compile`)
         self.compile_seconds: Optional[float] = None
@@ -676,12 +677,6 @@ def _guard_options() -> Optional[dict]:
     the filter."""
     skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
     return {"guard_filter_fn": skip} if skip is not None else None
-
-
-def _torch_at_least(version: str) -> bool:
-    from packaging.version import Version
-
-    return Version(torch.__version__.split("+")[0]) >= Version(version)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -22,8 +22,9 @@ def _compiled_step_on_aten_kernels_before_torch_2_13():
     ATen's kernels alone there (what they check does not depend on the kernel; a failed compile's fallback has its
     own test)."""
     from optimum_ipex_spec import compiled_step
+    from optimum_ipex_spec.compat import torch_at_least
 
-    if compiled_step._torch_at_least(compiled_step.CPP_ONLY_FROM_TORCH):
+    if torch_at_least(compiled_step.CPP_ONLY_FROM_TORCH):
         yield
         return
     patch = pytest.MonkeyPatch()

@@ -43,3 +43,13 @@ def test_logits_to_keep_is_spelled_as_the_installed_transformers_spells_it():
 
     for model in (LlamaForCausalLM, Qwen2ForCausalLM):
         assert compat.logits_to_keep_kwarg() in inspect.signature(model.forward).parameters, model
+
+
+def test_torch_at_least_reads_the_release_without_its_local_part(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cpu")
+    assert compat.torch_at_least("2.8")
+    assert compat.torch_at_least("2.7.1")
+    assert not compat.torch_at_least("2.8.1")
+    assert not compat.torch_at_least("2.10")

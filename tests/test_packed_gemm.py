@@ -10,7 +10,8 @@ import torch.nn.functional as F
 import torch.utils.cpp_extension
 
 from optimum_ipex_spec import compiled_step, packed_gemm
-from optimum_ipex_spec.compiled_step import CPP_ONLY_FROM_TORCH, _torch_at_least
+from optimum_ipex_spec.compat import torch_at_least
+from optimum_ipex_spec.compiled_step import CPP_ONLY_FROM_TORCH
 from optimum_ipex_spec.packed_gemm import (
     BLOCK_N,
     PackedEmbedding,
@@ -124,7 +125,7 @@ def test_a_chunk_gives_the_bits_of_inductors_one_row_gemm(kernel):
     """The claim the compiled step relies on (and checks on each model): the same register blocking, one fused
     multiply-add per k in order, so a row multiplied in a chunk of 4 here has the bits Inductor's frozen 1-row GEMM
     gives it (SmolLM2's gate/up shape)."""
-    if not _torch_at_least(CPP_ONLY_FROM_TORCH):
+    if not torch_at_least(CPP_ONLY_FROM_TORCH):
         pytest.skip(f"before torch {CPP_ONLY_FROM_TORCH} the autotuner also offers ATen's GEMMs, which round otherwise "
                     "(the compiled step then pads single tokens and does not use this kernel)")
     torch.manual_seed(0)
@@ -253,7 +254,7 @@ def test_without_avx512_bf16_the_bf16_kernel_says_so_and_is_not_used(monkeypatch
 def test_a_failed_build_is_logged_and_the_chunk_graph_keeps_inductors_gemms(monkeypatch, caplog):
     """Where the kernel cannot be built (no compiler or ninja) the chunk graph compiles with Inductor's GEMMs, still
     checked bit for bit against the 1-token graph."""
-    if not _torch_at_least(CPP_ONLY_FROM_TORCH):
+    if not torch_at_least(CPP_ONLY_FROM_TORCH):
         pytest.skip("before torch 2.13 single fp32 tokens run padded on the chunk graph: no second graph to build")
 
     def no_build(*args, **kwargs):
