@@ -33,7 +33,7 @@ struct Format {
   int64_t bytes;   // per block
 };
 
-inline bool format_of(int64_t qtype, Format* f) {
+constexpr bool format_of(int64_t qtype, Format* f) {
   switch (qtype) {
     case F32: *f = {1, 4}; return true;
     case F16: *f = {1, 2}; return true;
@@ -46,6 +46,13 @@ inline bool format_of(int64_t qtype, Format* f) {
     case Q6_K: *f = {256, 210}; return true;
     default: return false;
   }
+}
+
+// the format of a type fixed when compiling (a kernel's template argument): its divisions become shifts
+constexpr Format format_for(int64_t qtype) {
+  Format f{1, 1};
+  format_of(qtype, &f);
+  return f;
 }
 
 inline float half(const uint8_t* p) {

@@ -209,35 +209,36 @@ inline __m512i shifts(int a, int b) {
   return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
 }
 
-// Q4_K / Q5_K: a block's 8 sub-block scales d * sc (lanes 0-7) and mins negated, -(dmin * mn) (lanes 8-15), each the
-// one fp32 product that scale_min_k4's integers make with d or dmin (negating a product is exact). Lanes j and 8 + j
-// gather the bytes scale_min_k4 reads for sub-block j from the 16 loaded at b + 4: the 12 scale bytes, then 4 code
-// bytes that nothing uses.
+// Q4_K / Q5_K: a block's 8 sub-block scales d * sc (lane 2g for sub-block g) and mins dmin * mn (lane 2g + 1), each
+// the one fp32 product that scale_min_k4's integers make with d or dmin. The lanes gather the bytes scale_min_k4
+// reads from the 16 loaded at b + 4 (the 12 scale bytes, then 4 code bytes that nothing uses), and the block's fp16
+// pair (d, dmin) converted 8 times over gives each lane its factor.
 inline __m512 k_scales(const uint8_t* b) {
   const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-  // j < 4: s[j] & 63 and s[j + 4] & 63; j >= 4: s[j + 4] & 15 and s[j + 4] >> 4 ...
-  const __m512i low = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11,
-                                                                                 4, 5, 6, 7, 8, 9, 10, 11)));
-  // ... with bits 4-5 from s[j - 4] >> 6 and s[j] >> 6
-  const __m512i top = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 1, 2, 3, 0, 1, 2, 3,
-                                                                                 4, 5, 6, 7, 4, 5, 6, 7)));
-  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
-  const __m512i keep = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
-  const __m512i high = _mm512_setr_epi32(0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30);
+  // g < 4: s[g] & 63 and s[g + 4] & 63; g >= 4: s[g + 4] & 15 and s[g + 4] >> 4 ...
+  const __m512i low = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7,
+                                                                                 8, 8, 9, 9, 10, 10, 11, 11)));
+  // ... with bits 4-5 from bits 6-7 of s[g - 4] and s[g]
+  const __m512i top = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7,
+                                                                                 0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512i keep = _mm512_setr_epi32(63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15, 15, 15, 15, 15);
+  const __m512i high = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30);
   const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(low, shift), keep),
                                     _mm512_and_si512(_mm512_srli_epi32(top, 2), high));  // bits 6-7 to 4-5
-  const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half(b)), _mm512_set1_ps(-half(b + 2)));
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+  uint32_t pair;  // d, dmin
+  std::memcpy(&pair, b, 4);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(pair))), _mm512_cvtepi32_ps(q));
 }
 
 // the 16 values (d * sc) * (i + offset) - dmin * mn, i = 0..15, of sub-block g from k_scales' lanes at s: the values
 // of its nibbles (offset 0) or 5-bit codes 16..31 (offset 16), bit for bit dequantize_block's. d * sc holds at most
-// 11 + 6 significant bits, so its product by a 5-bit integer is exact and one fused multiply-add rounds as the
+// 11 + 6 significant bits, so its product by a 5-bit integer is exact and one fused multiply-subtract rounds as the
 // product and difference do.
 inline __m512 k_table(const float* s, int g, int offset) {
   const __m512 i = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return _mm512_fmadd_ps(_mm512_set1_ps(s[g]), _mm512_add_ps(i, _mm512_set1_ps(static_cast<float>(offset))),
-                         _mm512_set1_ps(s[8 + g]));
+  return _mm512_fmsub_ps(_mm512_set1_ps(s[2 * g]), _mm512_add_ps(i, _mm512_set1_ps(static_cast<float>(offset))),
+                         _mm512_set1_ps(s[2 * g + 1]));
 }
 
 // acc[m][r] += x[m, 0:16] * w[r] (x rows ldx apart): one step of fma_chain with the 16 weight values in registers
@@ -256,9 +257,10 @@ __attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx,
 template <int64_t QT, int M, int R>
 void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_bytes, const Format& f, int64_t K,
                     float* out, int64_t ldo) {
+  constexpr Format fmt = format_for(QT);  // f, known when compiling
   __m512 acc[kRowsM][kRowsN];
   zero(acc);
-  const int64_t chunk = f.values > kChunkK ? f.values : kChunkK;
+  const int64_t chunk = fmt.values > kChunkK ? fmt.values : kChunkK;
   const int64_t steps = (K + chunk - 1) / chunk;
   const __m512i low4 = _mm512_set1_epi32(0x0F);
   PrefetchShares prefetch(rows + R * row_bytes, kRowsN * row_bytes, steps);
@@ -269,7 +271,7 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
       for (int64_t k = k0; k < k1; k += 16) {
         __m512 w[R];
         for (int r = 0; r < R; r++) {
-          const uint8_t* p = rows + r * row_bytes + k * f.bytes;
+          const uint8_t* p = rows + r * row_bytes + k * fmt.bytes;
           w[r] = QT == F32 ? _mm512_loadu_ps(reinterpret_cast<const float*>(p))
                            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         }
@@ -277,10 +279,10 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
       }
       continue;
     }
-    for (int64_t blk = k0 / f.values; blk < k1 / f.values; blk++) {
-      const float* xb = x + blk * f.values;
+    for (int64_t blk = k0 / fmt.values; blk < k1 / fmt.values; blk++) {
+      const float* xb = x + blk * fmt.values;
       const uint8_t* b[R];
-      for (int r = 0; r < R; r++) b[r] = rows + r * row_bytes + blk * f.bytes;
+      for (int r = 0; r < R; r++) b[r] = rows + r * row_bytes + blk * fmt.bytes;
       if (QT == Q6_K) {  // (d * sc) * (q - 32) per 16 values, as dequantize_block makes them
         // q - 32 as int8 for the super-block's 256 values, 64 to a vector (values 64c..64c+63): low nibbles from
         // ql (bytes 0-31 | 32-63 of a half: values 0-31 | 32-63 low, 64-95 | 96-127 high), 2 high bits from qh
