@@ -3,11 +3,12 @@ on the same file, the same prompts and thread count, in one run (issue 48).
 
 Each round, every prompt runs through every configuration, interleaved: llama.cpp alone (``llama-completion``) and
 with the draft GGUF (``llama-speculative-simple``, ``--spec-draft-n-max K``); ours on the same files, each mode alone
-and with the draft GGUF as ``assistant_model`` (greedy, a constant ``K`` draft tokens per round; the fast mode also
-with the draft's default generation config, where the cost model picks each round's length); optionally ours fp32
+and with the draft GGUF as ``assistant_model`` (greedy, a constant ``K`` draft tokens per round; the draft in the fast
+mode whatever the target's, since a draft's arithmetic never changes the target's tokens; the fast target also with
+the draft's default generation config, where the cost model picks each round's length); optionally ours fp32
 (compiled) and stock transformers fp32 on the provisioned folder (``--with-fp32``), and ours int4 quantized at load
 from the provisioned fp32 folders (``--with-int4``: the target alone in each mode, the 0.5B's int4 copy as a draft of
-the fast int4 target and of the fast GGUF target). Per prompt the median over rounds of decode
+the fast int4 target and of both GGUF targets). Per prompt the median over rounds of decode
 tokens/s and time to first token; then the median over prompts. Beside them: the file's bytes per token (every tensor
 once, the embedding one row) over the read bandwidth measured at the start of each round (the one-token roofline);
 our GGUF layers' time for 4 rows against 1 (a verification's cost on the quantized kernels, in decode steps); RSS
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument("--with-fp32", action="store_true", help="add ours fp32 compiled and stock fp32 (6 GB each)")
     parser.add_argument("--with-int4", action="store_true",
                         help="add ours int4 (quantized at load from the fp32 checkpoints): the target alone, exact "
-                             "and fast; the int4 draft with the fast int4 target and with the fast GGUF target")
+                             "and fast; the int4 draft with the fast int4 target and with both GGUF targets")
     parser.add_argument("--tag", default="", help="a word for the table's title (the machine, the load)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--json", required=True)
@@ -159,29 +160,29 @@ def main(argv=None) -> int:
     ours = IPEXModelForCausalLM.from_pretrained(args.target, weights="gguf", torch_compile=True)
     ours.compile_chunk_step()
     compile_load_s = time.perf_counter() - start
-    draft = IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", torch_compile=True)
+    # the draft of every row with k fixed, whatever the target's mode: a draft's arithmetic changes which tokens it
+    # proposes, never which ones the target keeps, so it runs the fast kernels
+    draft = IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast", torch_compile=True)
     gc.collect()
     rss_gguf = _rss_gb()["VmRSS"] - before
     fast = IPEXModelForCausalLM.from_pretrained(args.target, weights="gguf", gguf_mode="fast", torch_compile=True)
-    fast_draft = IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast", torch_compile=True)
     # the same draft file with its default generation config: the cost model decides how far to draft
     fast_draft_auto = IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast",
                                                            torch_compile=True)
-    for model in (draft, fast, fast_draft, fast_draft_auto):
+    for model in (draft, fast, fast_draft_auto):
         model.compile_chunk_step()
     verify_steps_fast = verification_cost(fast)
-    for model in (draft, fast_draft):
-        model.generation_config.num_assistant_tokens = args.k
-        model.generation_config.num_assistant_tokens_schedule = "constant"
-        model.generation_config.assistant_confidence_threshold = 0.0
+    draft.generation_config.num_assistant_tokens = args.k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
     configs = [("llama.cpp alone", "llamacpp", ["-m", target_gguf, "-no-cnv", "--no-warmup"]),
                (f"llama.cpp + draft, k={args.k}", "llamacpp-spec",
                 ["-m", target_gguf, "-md", draft_gguf, "--spec-type", "draft-simple", "--spec-draft-n-max",
                  str(args.k)]),
                ("ours GGUF exact alone", ours, {}),
-               (f"ours GGUF exact + draft GGUF, k={args.k}", ours, {"assistant_model": draft}),
+               (f"ours GGUF exact + fast draft GGUF, k={args.k}", ours, {"assistant_model": draft}),
                ("ours GGUF fast alone", fast, {}),
-               (f"ours GGUF fast + fast draft GGUF, k={args.k}", fast, {"assistant_model": fast_draft}),
+               (f"ours GGUF fast + fast draft GGUF, k={args.k}", fast, {"assistant_model": draft}),
                ("ours GGUF fast + fast draft GGUF, cost model", fast, {"assistant_model": fast_draft_auto})]
     if args.with_int4:
         int4 = {mode: IPEXModelForCausalLM.from_pretrained(folder, export=True, weights="int4", gguf_mode=mode,
@@ -195,7 +196,8 @@ def main(argv=None) -> int:
         int4_draft.generation_config.assistant_confidence_threshold = 0.0
         configs += [("ours int4 exact alone", int4["exact"], {}), ("ours int4 fast alone", int4["fast"], {}),
                     (f"ours int4 fast + int4 fast draft, k={args.k}", int4["fast"], {"assistant_model": int4_draft}),
-                    (f"ours GGUF fast + int4 fast draft, k={args.k}", fast, {"assistant_model": int4_draft})]
+                    (f"ours GGUF fast + int4 fast draft, k={args.k}", fast, {"assistant_model": int4_draft}),
+                    (f"ours GGUF exact + int4 fast draft, k={args.k}", ours, {"assistant_model": int4_draft})]
     if args.with_fp32:
         fp32 = IPEXModelForCausalLM.from_pretrained(folder, export=True, backend="torch", torch_dtype=torch.float32,
                                                     torch_compile=True)
