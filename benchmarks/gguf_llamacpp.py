@@ -277,7 +277,7 @@ def main(argv=None) -> int:
                   f"{result['roofline_tok_s']:.1f} tok/s.",
               f"- A 4-row product on our GGUF layers costs {verify_steps:.2f} one-row products (exact mode), "
               f"{verify_steps_fast:.2f} (fast mode).",
-              f"- RSS of the GGUF target and draft (compiled): {rss_gguf:.2f} GB; the target file "
+              f"- RSS of the GGUF exact target and its fast draft (compiled): {rss_gguf:.2f} GB; the target file "
               f"{result['file_gb']:.2f} GB.",
               f"- Load of the target file: ours {load_s:.2f} s (eager), {compile_load_s:.1f} s by provisioned name "
               f"with both graphs compiled; llama.cpp "

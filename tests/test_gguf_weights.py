@@ -153,26 +153,35 @@ SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K
 
 
 @pytest.mark.parametrize("name", sorted(SCALE_OFFSETS))
-def test_any_finite_scale_gives_the_documented_sums(isa, name):
+def test_every_finite_scale_gives_the_documented_sums(isa, name):
     """The kernels build a block's values with fused multiply-adds and tables where that is exact for every fp16
-    scale (gguf_gemm.cpp, k_table): scales of any sign and size, subnormals and zeros included, give gguf-py's values
-    in the documented chains."""
+    scale (gguf_gemm.cpp, k_table): each of the 63,488 finite fp16 bit patterns (both signs, zeros, subnormals, the
+    largest) stands in each scale field of some block, and every value, signed zeros included, is gguf-py's, summed in
+    the documented chains by every width of weight-row group (4, 3, 2, 1) for 1 and 4 rows of activations."""
     block, rng = TYPES[name], np.random.default_rng(7)
     k = _k_for(block)
-    blocks = random_blocks(block, 37, k, rng)
-    view = blocks.reshape(37, k // block.values, block.bytes)
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = every[(every & 0x7C00) != 0x7C00]
+    per_row = k // block.values
+    rows = -(-len(finite) // per_row)
+    rows += (3 - rows % 4) % 4  # groups of 4 weight rows, then 3 (and 2, 1 with the last rows left out below)
+    blocks = random_blocks(block, rows, k, rng)
+    view = blocks.reshape(rows, per_row, block.bytes)
     for offset in SCALE_OFFSETS[name]:
-        bits = rng.integers(0, 1 << 16, size=view.shape[:2], dtype=np.uint16)
-        bits[(bits & 0x7C00) == 0x7C00] &= 0x83FF  # an infinity or NaN becomes a subnormal or zero
-        bits[:, 0] = rng.choice(np.array([0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF], np.uint16), 37)
-        view[..., offset:offset + 2] = bits.view(np.uint8).reshape(*view.shape[:2], 2)
+        bits = rng.choice(finite, size=rows * per_row)
+        bits[:len(finite)] = rng.permutation(finite)
+        view[..., offset:offset + 2] = bits.reshape(rows, per_row).view(np.uint8).reshape(rows, per_row, 2)
     blocks = torch.from_numpy(blocks)
+    weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(rows, k)
+    assert torch.isfinite(weight).all()
+    got = gw.exact_dequantize(isa, blocks, block.qtype, k)
+    assert torch.equal(got.view(torch.int32), weight.view(torch.int32))
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
-    weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(37, k)
-    assert torch.equal(gw.exact_dequantize(isa, blocks, block.qtype, k), weight)
     expected = lanes_reference(x, weight)
-    assert torch.equal(gw.exact_mm(isa, x[:1], blocks, block.qtype, k), expected[:1])
-    assert torch.equal(gw.exact_mm(isa, x, blocks, block.qtype, k), expected)
+    for count in (1, 4):
+        for n in (rows, rows - 1, rows - 2):
+            out = gw.exact_mm(isa, x[:count], blocks[:n], block.qtype, k)
+            assert torch.equal(out, expected[:count, :n]), f"{count} rows of x, {n} weight rows"
 
 
 def test_reference_path_without_the_kernel(monkeypatch):
