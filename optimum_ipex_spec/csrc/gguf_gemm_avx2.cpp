@@ -110,18 +110,32 @@ __attribute__((always_inline)) inline void block_chunks(const uint8_t* b, Emit&&
       return;
     }
     case Q6_K: {  // (d * sc) * (q - 32) per 16 values, q = 4 low bits | 2 high bits << 4
-      const uint8_t* ql = b;
-      const uint8_t* qh = b + 128;
+      // q - 32 as int8 for the 256 values in order, 32 at a time: half h (128 values), quarter r: the low nibbles
+      // of ql bytes 0-31 (r = 0) or 32-63 (r = 1) of the half, then their high nibbles (r = 2, 3); bits 2r, 2r + 1
+      // of qh bytes 0-31 of the half
+      alignas(32) int8_t codes[256];
+      const __m256i nib = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+      for (int h = 0; h < 2; h++) {
+        const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+        const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+        // a 16-bit shift moves a byte's bits into its neighbour only outside the 0x30 kept
+        const __m256i high[4] = {_mm256_and_si256(_mm256_slli_epi16(qh, 4), top),
+                                 _mm256_and_si256(_mm256_slli_epi16(qh, 2), top), _mm256_and_si256(qh, top),
+                                 _mm256_and_si256(_mm256_srli_epi16(qh, 2), top)};
+        const __m256i low[4] = {_mm256_and_si256(ql0, nib), _mm256_and_si256(ql1, nib),
+                                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), nib),
+                                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), nib)};
+        for (int r = 0; r < 4; r++)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 128 * h + 32 * r),
+                             _mm256_sub_epi8(_mm256_or_si256(low[r], high[r]), bias));
+      }
       const float d = half(b + 208);
-      for (int i = 0; i < 16; i++) {  // 16 values each: half h, quarter r, 16 of its 32
-        const int h = i / 8, r = (i % 8) / 2, part = i % 2;
+      for (int i = 0; i < 16; i++) {  // 16 values each, one scale
         const __m256 scale = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + i])));
-        for (int c = 0; c < 2; c++) {
-          const __m256i low = nibbles(ql + 64 * h + 32 * (r % 2) + 16 * part + 8 * c, r >= 2);
-          const __m256i top = _mm256_and_si256(_mm256_srli_epi32(eight(qh + 32 * h + 16 * part + 8 * c), 2 * r),
-                                               _mm256_set1_epi32(3));
-          emit(2 * i + c, scaled(_mm256_or_si256(low, _mm256_slli_epi32(top, 4)), -32, scale));
-        }
+        for (int c = 0; c < 2; c++)
+          emit(2 * i + c, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(eight_signed(
+                                                   reinterpret_cast<const uint8_t*>(codes + 16 * i + 8 * c)))));
       }
       return;
     }
