@@ -45,6 +45,38 @@ inline __m512 nibble_table(float d, int offset) {
   return _mm512_mul_ps(_mm512_set1_ps(d), _mm512_add_ps(i, _mm512_set1_ps(static_cast<float>(offset))));
 }
 
+// Q4_K / Q5_K: a block's 8 sub-block scales d * sc (lane 2g for sub-block g) and mins dmin * mn (lane 2g + 1), each
+// the one fp32 product that scale_min_k4's integers make with d or dmin. The lanes gather the bytes scale_min_k4
+// reads from the 16 loaded at b + 4 (the 12 scale bytes, then 4 code bytes that nothing uses), and the block's fp16
+// pair (d, dmin) converted 8 times over gives each lane its factor.
+inline __m512 k_scales(const uint8_t* b) {
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+  // g < 4: s[g] & 63 and s[g + 4] & 63; g >= 4: s[g + 4] & 15 and s[g + 4] >> 4 ...
+  const __m512i low = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7,
+                                                                                 8, 8, 9, 9, 10, 10, 11, 11)));
+  // ... with bits 4-5 from bits 6-7 of s[g - 4] and s[g]
+  const __m512i top = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7,
+                                                                                 0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 4, 0, 4, 0, 4);
+  const __m512i keep = _mm512_setr_epi32(63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15, 15, 15, 15, 15);
+  const __m512i high = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30);
+  const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(low, shift), keep),
+                                    _mm512_and_si512(_mm512_srli_epi32(top, 2), high));  // bits 6-7 to 4-5
+  uint32_t pair;  // d, dmin
+  std::memcpy(&pair, b, 4);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(pair))), _mm512_cvtepi32_ps(q));
+}
+
+// the 16 values (d * sc) * (i + offset) - dmin * mn, i = 0..15, of sub-block g from k_scales' lanes at s: the values
+// of its nibbles (offset 0) or 5-bit codes 16..31 (offset 16), bit for bit dequantize_block's. d * sc holds at most
+// 11 + 6 significant bits, so its product by a 5-bit integer is exact and one fused multiply-subtract rounds as the
+// product and difference do.
+inline __m512 k_table(const float* s, int g, int offset) {
+  const __m512 i = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmsub_ps(_mm512_set1_ps(s[2 * g]), _mm512_add_ps(i, _mm512_set1_ps(static_cast<float>(offset))),
+                         _mm512_set1_ps(s[2 * g + 1]));
+}
+
 // one block of `qtype` at b -> its values at y (Format::values of them), bit for bit gguf-py's: each value a table
 // entry computed in gguf-py's order, or an integer converted and scaled in it
 // (a template on the type: the switch folds away, and the block's code inlines into the loops that call it)
@@ -95,17 +127,11 @@ __attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, fl
       return;
     }
     case Q4_K: {  // (d * sc) * q - dmin * mn per sub-block of 32
-      const float d = half(b), dmin = half(b + 2);
+      alignas(64) float scales[16];
+      _mm512_store_ps(scales, k_scales(b));
       const uint8_t* qs = b + 16;
-      float d1s[8], m1s[8];
       for (int g = 0; g < 8; g++) {
-        int sc, mn;
-        scale_min_k4(b + 4, g, &sc, &mn);
-        d1s[g] = d * static_cast<float>(sc);
-        m1s[g] = dmin * static_cast<float>(mn);
-      }
-      for (int g = 0; g < 8; g++) {
-        const __m512 table = _mm512_sub_ps(nibble_table(d1s[g], 0), _mm512_set1_ps(m1s[g]));
+        const __m512 table = k_table(scales, g, 0);
         const uint8_t* q = qs + 32 * (g / 2);
         nibbles_through(q, g % 2, table, y + 32 * g);
         nibbles_through(q + 16, g % 2, table, y + 32 * g + 16);
@@ -113,16 +139,13 @@ __attribute__((always_inline)) inline void dequantize_block(const uint8_t* b, fl
       return;
     }
     case Q5_K: {  // (d * sc) * q - dmin * mn, q = nibble | fifth bit << 4
-      const float d = half(b), dmin = half(b + 2);
+      alignas(64) float scales[16];
+      _mm512_store_ps(scales, k_scales(b));
       const uint8_t* qh = b + 16;
       const uint8_t* qs = b + 48;
       const __m512i low4 = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1);
       for (int g = 0; g < 8; g++) {
-        int sc, mn;
-        scale_min_k4(b + 4, g, &sc, &mn);
-        const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(mn);
-        const __m512 m1v = _mm512_set1_ps(m1);
-        const __m512 lo = _mm512_sub_ps(nibble_table(d1, 0), m1v), hi = _mm512_sub_ps(nibble_table(d1, 16), m1v);
+        const __m512 lo = k_table(scales, g, 0), hi = k_table(scales, g, 16);
         for (int c = 0; c < 2; c++) {
           const uint8_t* q = qs + 32 * (g / 2) + 16 * c;
           __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -209,38 +232,6 @@ inline __m512i shifts(int a, int b) {
   return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(a)), _mm256_set1_epi16(static_cast<int16_t>(b)), 1);
 }
 
-// Q4_K / Q5_K: a block's 8 sub-block scales d * sc (lane 2g for sub-block g) and mins dmin * mn (lane 2g + 1), each
-// the one fp32 product that scale_min_k4's integers make with d or dmin. The lanes gather the bytes scale_min_k4
-// reads from the 16 loaded at b + 4 (the 12 scale bytes, then 4 code bytes that nothing uses), and the block's fp16
-// pair (d, dmin) converted 8 times over gives each lane its factor.
-inline __m512 k_scales(const uint8_t* b) {
-  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-  // g < 4: s[g] & 63 and s[g + 4] & 63; g >= 4: s[g + 4] & 15 and s[g + 4] >> 4 ...
-  const __m512i low = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7,
-                                                                                 8, 8, 9, 9, 10, 10, 11, 11)));
-  // ... with bits 4-5 from bits 6-7 of s[g - 4] and s[g]
-  const __m512i top = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(s, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7,
-                                                                                 0, 4, 1, 5, 2, 6, 3, 7)));
-  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 0, 4, 0, 4, 0, 4);
-  const __m512i keep = _mm512_setr_epi32(63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15, 15, 15, 15, 15);
-  const __m512i high = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30, 0x30);
-  const __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi32(low, shift), keep),
-                                    _mm512_and_si512(_mm512_srli_epi32(top, 2), high));  // bits 6-7 to 4-5
-  uint32_t pair;  // d, dmin
-  std::memcpy(&pair, b, 4);
-  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(pair))), _mm512_cvtepi32_ps(q));
-}
-
-// the 16 values (d * sc) * (i + offset) - dmin * mn, i = 0..15, of sub-block g from k_scales' lanes at s: the values
-// of its nibbles (offset 0) or 5-bit codes 16..31 (offset 16), bit for bit dequantize_block's. d * sc holds at most
-// 11 + 6 significant bits, so its product by a 5-bit integer is exact and one fused multiply-subtract rounds as the
-// product and difference do.
-inline __m512 k_table(const float* s, int g, int offset) {
-  const __m512 i = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return _mm512_fmsub_ps(_mm512_set1_ps(s[2 * g]), _mm512_add_ps(i, _mm512_set1_ps(static_cast<float>(offset))),
-                         _mm512_set1_ps(s[2 * g + 1]));
-}
-
 // acc[m][r] += x[m, 0:16] * w[r] (x rows ldx apart): one step of fma_chain with the 16 weight values in registers
 template <int M, int R>
 __attribute__((always_inline)) inline void fma_step(const float* x, int64_t ldx, const __m512 (&w)[R],
@@ -286,7 +277,7 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
       if (QT == Q6_K) {  // (d * sc) * (q - 32) per 16 values, as dequantize_block makes them
         // q - 32 as int8 for the super-block's 256 values, 64 to a vector (values 64c..64c+63): low nibbles from
         // ql (bytes 0-31 | 32-63 of a half: values 0-31 | 32-63 low, 64-95 | 96-127 high), 2 high bits from qh
-        __m512i codes[R][4];
+        alignas(64) int8_t q8[R][256];
         for (int r = 0; r < R; r++)
           for (int h = 0; h < 2; h++) {
             const __m512i ql = _mm512_loadu_si512(b[r] + 64 * h);
@@ -295,19 +286,16 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
             const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(32);
             const __m512i up = _mm512_and_si512(_mm512_sllv_epi16(qh, shifts(4, 2)), top);
             const __m512i down = _mm512_and_si512(_mm512_srlv_epi16(qh, shifts(0, 2)), top);
-            codes[r][2 * h] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(ql, nib), up), bias);
-            codes[r][2 * h + 1] =
-                _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib), down), bias);
+            _mm512_store_si512(q8[r] + 128 * h, _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(ql, nib), up), bias));
+            _mm512_store_si512(q8[r] + 128 * h + 64, _mm512_sub_epi8(
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nib), down), bias));
           }
-        // the 16 scales d * sc (each the one fp32 product dequantize_block makes), and the codes stored, so that
-        // each 16 of them widen straight from memory
+        // the 16 scales d * sc, each the one fp32 product dequantize_block makes
         alignas(64) float dsc[R][16];
-        alignas(64) int8_t q8[R][256];
         for (int r = 0; r < R; r++) {
           const __m512 sc = _mm512_cvtepi32_ps(
               _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[r] + 192))));
           _mm512_store_ps(dsc[r], _mm512_mul_ps(_mm512_set1_ps(half(b[r] + 208)), sc));
-          for (int c = 0; c < 4; c++) _mm512_store_si512(q8[r] + 64 * c, codes[r][c]);
         }
         __asm__ volatile("" ::: "memory");  // the scales broadcast from memory (a load), as Q4_K's below
         for (int i = 0; i < 16; i++) {
