@@ -374,13 +374,18 @@ def _drafts(kind, qwen_gguf, tiny_gguf):
     if kind == "gguf draft of another seed":
         other, _ = tiny_gguf("qwen2", seed=1)
         return {"assistant_model": IPEXModelForCausalLM.from_pretrained(other, weights="gguf")}
+    # the exact target's draft as benchmarks/gguf_llamacpp.py runs it: the fast kernels
+    if kind == "fast-mode gguf draft of another seed":
+        other, _ = tiny_gguf("qwen2", seed=1)
+        return {"assistant_model": IPEXModelForCausalLM.from_pretrained(other, weights="gguf", gguf_mode="fast")}
     if kind == "dense draft (the dequantized folder)":
         return {"assistant_model": IPEXModelForCausalLM.from_pretrained(folder, export=True)}
     raise ValueError(kind)
 
 
 @pytest.mark.parametrize("kind", ["int8 self-draft", "bf16 self-draft", "gguf draft of another seed",
-                                  "dense draft (the dequantized folder)", "prompt lookup", "user candidate generator"])
+                                  "fast-mode gguf draft of another seed", "dense draft (the dequantized folder)",
+                                  "prompt lookup", "user candidate generator"])
 def test_speculation_over_a_gguf_target_is_lossless(qwen_gguf, tiny_gguf, kind):
     target = qwen_gguf["target"]
     got = target.generate(PROMPT, max_new_tokens=24, do_sample=False, **_drafts(kind, qwen_gguf, tiny_gguf))
