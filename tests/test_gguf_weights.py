@@ -1,7 +1,7 @@
 """GGUF weights as shipped (``weights="gguf"``, optimum_ipex_spec/gguf_weights.py and csrc/gguf_gemm.cpp).
 
 - Each block type: the kernel's values are gguf-py's own dequantization, bit for bit, on random blocks; its products
-  give every row the same bits for 1 to 16 rows; they agree with the dequantized matrix's product; the PyTorch
+  give every row the same bits for 1 to 16 rows and for a prefill's many rows; they agree with the dequantized matrix's product; the PyTorch
   reference path (no kernel) too.
 - Tiny seeded Llama and Qwen2 models written as GGUF files (llama.cpp's row permutation of attn_q / attn_k included,
   every block type used): the loaded model's weights are the file's dequantization (checked against transformers'
@@ -145,6 +145,25 @@ def test_every_row_count_gives_each_row_the_same_bits(isa, threads, name):
                 assert torch.equal(together, alone[:rows]), f"k={k}, {rows} rows, {count} threads"
         weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(37, k)
         assert torch.equal(alone, lanes_reference(x, weight)), "not the kernels' documented sums"
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_a_prefill_gives_each_row_the_bits_it_has_alone(isa, threads, name):
+    """Many rows of x (a prefill) take another path through the AVX-512 kernel (gguf_gemm.cpp, panel_path: from 96
+    rows, from 48 where K > 2048), in tiles of 12 rows against panels of 32 weight rows: each row still gets the bits it
+    has alone, at the thresholds, with partial tiles and a partial panel, on 1 and 2 threads."""
+    block, rng = TYPES[name], np.random.default_rng(3)
+    for k, counts in ((768, (95, 96, 97, 107, 131)), (4096 + 2 * max(block.values, 16), (47, 48, 61))):
+        blocks = torch.from_numpy(random_blocks(block, 70, k, rng))  # two panels of 32 and 6 rows
+        x = torch.randn(max(counts), k, generator=torch.Generator().manual_seed(4))
+        torch.set_num_threads(1)
+        alone = torch.cat([gw.exact_mm(isa, x[m:m + 1], blocks, block.qtype, k) for m in range(len(x))])
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in counts:
+                assert torch.equal(gw.exact_mm(isa, x[:rows], blocks, block.qtype, k), alone[:rows]), (k, rows, count)
+        weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(70, k)
+        assert torch.equal(alone[:8], lanes_reference(x[:8], weight)), "not the kernels' documented sums"
 
 
 #: where each block type keeps its fp16 scales (d, and dmin or m), in bytes from the block's start

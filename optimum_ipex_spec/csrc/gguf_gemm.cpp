@@ -11,8 +11,10 @@
 //       lanes. So a row gets the same bits alone (a decode step) as among others (a verification of draft tokens,
 //       a prefill): speculative decoding over a quantized target returns the target's own greedy tokens.
 //       Each weight row is dequantized once per call, for all the rows of x: for up to 4 rows (a decode step, a
-//       verification) 16 values at a time in registers, multiplied as they are made; for more (a prefill) whole rows
-//       into a buffer first. Weight rows are split between torch's threads, each computed by one thread.
+//       verification) 16 values at a time in registers, multiplied as they are made; for more, whole rows into a
+//       buffer first; for a prefill (panel_path), 32 rows at a time, transposed so that a vector holds one lane of 16
+//       rows, each value then multiplied by 12 rows of x. Weight rows are split between torch's threads, each computed
+//       by one thread.
 //
 // Block layouts: gguf_formats.h. gguf_gemm_avx2.cpp computes the same operators, the same bits, with AVX2.
 
@@ -395,6 +397,165 @@ void many_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int6
   if (left == 3) { fma_chain<3, R>(x + m * ldx, ldx, buf, K, 0, K, acc); store<3, R>(acc, out + m * ldo, ldo); }
 }
 
+// A prefill's path (panel_path says when): the same chains as few_rows, each weight value loaded once per
+// tile of kTileM rows of x rather than once per 4. The chain of output (m, n) in lane l is the sum over j of
+// x[m, 16 j + l] * w[n, 16 j + l], fused multiply-adds in order of j from zero, then sum_lanes' sum of the 16 lanes.
+// Here a vector holds lane l of 16 weight rows n side by side, multiplied by a broadcast value of x: the weights of
+// kPanelN rows are dequantized (dequantize_row) and transposed lane by lane (panel_of), x once per call
+// (lanes_of_x).
+constexpr int kTileM = 12;          // rows of x per register tile: 12 x 2 accumulators, 2 weight vectors, 1 broadcast
+constexpr int kPanelN = 32;         // weight rows per panel: two vectors
+
+// whether mm takes this path for M rows of x of K values: from 96 rows on (below, many_rows' 4 x 4 dots, their 8 rows
+// in L1, are as fast: docs/gguf.md), from 48 where 8 rows of K values overflow L1 (K > 2048: a down projection)
+inline bool panel_path(int64_t M, int64_t K) { return K % 16 == 0 && M >= (K > 2048 ? 48 : 96); }
+
+// 16 vectors transposed in place: lane b of v[a] <-> lane a of v[b]
+inline void transpose16(__m512 (&v)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++)
+    for (int h = 0; h < 2; h++) {
+      const __m512d a = _mm512_castps_pd(t[4 * i + h]), b = _mm512_castps_pd(t[4 * i + 2 + h]);
+      v[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      v[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int i = 0; i < 2; i++)
+    for (int c = 0; c < 4; c++) {
+      t[8 * i + c] = _mm512_shuffle_f32x4(v[8 * i + c], v[8 * i + 4 + c], 0x88);
+      t[8 * i + 4 + c] = _mm512_shuffle_f32x4(v[8 * i + c], v[8 * i + 4 + c], 0xDD);
+    }
+  for (int c = 0; c < 8; c++) {
+    v[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+    v[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+  }
+}
+
+// x [M, K] -> xt, tile t of kTileM rows and lane l at xt + (16 t + l) * (K / 16) * kTileM: [K / 16][kTileM], entry
+// [j][i] = x[kTileM t + i, 16 j + l], rows past M zero
+void lanes_of_x(const float* x, int64_t M, int64_t K, float* xt) {
+  const int64_t Kj = K / 16, tiles = (M + kTileM - 1) / kTileM;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const int rows = static_cast<int>(M - kTileM * t < kTileM ? M - kTileM * t : kTileM);
+      for (int l = 0; l < 16; l++) {
+        float* out = xt + (16 * t + l) * Kj * kTileM;
+        const float* in = x + kTileM * t * K + l;
+        for (int64_t j = 0; j < Kj; j++)
+          for (int i = 0; i < kTileM; i++) out[kTileM * j + i] = i < rows ? in[i * K + 16 * j] : 0.0f;
+      }
+    }
+  });
+}
+
+// R (<= kPanelN) weight rows -> p, lane l at p + l * (K / 16) * kPanelN: [K / 16][kPanelN], entry [j][r] =
+// w[r, 16 j + l] (dequantize_block's values), rows past R zero. 16 rows' values are made one block (or 16 values,
+// whichever is more) at a time into y and transposed 16 by 16.
+template <int64_t QT>
+void panel_of(const uint8_t* rows, int64_t row_bytes, int R, int64_t K, float* p) {
+  constexpr Format fmt = format_for(QT);
+  constexpr int64_t step = fmt.values > 16 ? fmt.values : 16;  // values per row made at a time
+  constexpr int64_t blocks = step / fmt.values;
+  const int64_t Kj = K / 16;
+  alignas(64) float y[16][step];
+  for (int h = 0; h < kPanelN / 16; h++)
+    for (int64_t k0 = 0; k0 < K; k0 += step) {
+      for (int r = 0; r < 16; r++) {
+        if (16 * h + r >= R) {
+          std::memset(y[r], 0, sizeof(y[r]));
+          continue;
+        }
+        const uint8_t* b = rows + (16 * h + r) * row_bytes + k0 / fmt.values * fmt.bytes;
+        for (int64_t i = 0; i < blocks; i++) dequantize_block<QT>(b + i * fmt.bytes, y[r] + i * fmt.values);
+      }
+      for (int64_t c = 0; c < step; c += 16) {
+        __m512 v[16];
+        for (int r = 0; r < 16; r++) v[r] = _mm512_load_ps(y[r] + c);
+        transpose16(v);
+        const int64_t j = (k0 + c) / 16;
+        for (int l = 0; l < 16; l++) _mm512_store_ps(p + (l * Kj + j) * kPanelN + 16 * h, v[l]);
+      }
+    }
+}
+
+// lane l of MT rows of a tile against a panel: lanes [MT][kPanelN] <- the chains over j of xt[j][i] * p[j][n]
+template <int MT>
+void panel_lane(const float* xt, const float* p, int64_t Kj, float* lanes) {
+  __m512 acc[MT][2];
+  for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < Kj; j++) {
+    const __m512 w0 = _mm512_load_ps(p + kPanelN * j), w1 = _mm512_load_ps(p + kPanelN * j + 16);
+    for (int i = 0; i < MT; i++) {
+      const __m512 xv = _mm512_set1_ps(xt[kTileM * j + i]);
+      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MT; i++) {
+    _mm512_store_ps(lanes + kPanelN * i, acc[i][0]);
+    _mm512_store_ps(lanes + kPanelN * i + 16, acc[i][1]);
+  }
+}
+
+// the 16 lanes v[l] = at + l * stride (16 outputs each) summed as sum_lanes sums one vector's lanes, output by output
+inline __m512 sum_lane_vectors(const float* at, int64_t stride) {
+  __m512 s[8];
+  for (int l = 0; l < 8; l++)
+    s[l] = _mm512_add_ps(_mm512_loadu_ps(at + (l + 8) * stride), _mm512_loadu_ps(at + l * stride));
+  for (int l = 0; l < 4; l++) s[l] = _mm512_add_ps(s[l + 4], s[l]);
+  return _mm512_add_ps(_mm512_add_ps(s[0], s[2]), _mm512_add_ps(s[1], s[3]));
+}
+
+template <int64_t QT>
+void panel_rows(const float* xt, int64_t M, const uint8_t* wp, int64_t row_bytes, const Format& f, float* op,
+                int64_t N, int64_t K) {
+  const int64_t Kj = K / 16, tiles = (M + kTileM - 1) / kTileM, panels = (N + kPanelN - 1) / kPanelN;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // 64-byte aligned: the panel is read as whole vectors
+    std::vector<__m512> storage((kPanelN * K + 16 * kTileM * kPanelN) / 16);
+    float* p = reinterpret_cast<float*>(storage.data());
+    float* lanes = p + kPanelN * K;  // [16][kTileM][kPanelN]
+    for (int64_t panel = begin; panel < end; panel++) {
+      const int64_t n0 = kPanelN * panel;
+      const int R = static_cast<int>(N - n0 < kPanelN ? N - n0 : kPanelN);
+      panel_of<QT>(wp + n0 * row_bytes, row_bytes, R, K, p);
+      for (int64_t t = 0; t < tiles; t++) {
+        const int MT = static_cast<int>(M - kTileM * t < kTileM ? M - kTileM * t : kTileM);
+        for (int l = 0; l < 16; l++) {
+          const float* x = xt + (16 * t + l) * Kj * kTileM;
+          const float* w = p + l * Kj * kPanelN;
+          float* y = lanes + l * kTileM * kPanelN;
+          switch (MT) {
+            case 1: panel_lane<1>(x, w, Kj, y); break;
+            case 2: panel_lane<2>(x, w, Kj, y); break;
+            case 3: panel_lane<3>(x, w, Kj, y); break;
+            case 4: panel_lane<4>(x, w, Kj, y); break;
+            case 5: panel_lane<5>(x, w, Kj, y); break;
+            case 6: panel_lane<6>(x, w, Kj, y); break;
+            case 7: panel_lane<7>(x, w, Kj, y); break;
+            case 8: panel_lane<8>(x, w, Kj, y); break;
+            case 9: panel_lane<9>(x, w, Kj, y); break;
+            case 10: panel_lane<10>(x, w, Kj, y); break;
+            case 11: panel_lane<11>(x, w, Kj, y); break;
+            default: panel_lane<12>(x, w, Kj, y);
+          }
+        }
+        for (int i = 0; i < MT; i++)
+          for (int h = 0; h < 2; h++) {
+            const int valid = R - 16 * h;
+            if (valid <= 0) continue;
+            const __mmask16 mask = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+            _mm512_mask_storeu_ps(op + (kTileM * t + i) * N + n0 + 16 * h, mask,
+                                  sum_lane_vectors(lanes + kPanelN * i + 16 * h, kTileM * kPanelN));
+          }
+      }
+    }
+  });
+}
+
 template <int64_t QT, int R>
 void row_group(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int64_t row_bytes,
                const Format& f, int64_t K, float* buf, float* out, int64_t ldo) {
@@ -417,6 +578,12 @@ void dequantize_rows(const uint8_t* src, int64_t row_bytes, const Format& f, flo
 template <int64_t QT>
 void mm_rows(const float* xp, int64_t M, const uint8_t* wp, int64_t row_bytes, const Format& f, float* op, int64_t N,
              int64_t K) {
+  if (panel_path(M, K)) {
+    std::vector<float> xt((M + kTileM - 1) / kTileM * kTileM * K);
+    lanes_of_x(xp, M, K, xt.data());
+    panel_rows<QT>(xt.data(), M, wp, row_bytes, f, op, N, K);
+    return;
+  }
   const int64_t groups = (N + kRowsN - 1) / kRowsN;
   const int64_t buf_values = M <= kRowsM ? 0 : kRowsN * K;  // many_rows' dequantized rows
   at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
