@@ -1,8 +1,8 @@
 """GGUF weights as shipped (``weights="gguf"``, optimum_ipex_spec/gguf_weights.py and csrc/gguf_gemm.cpp).
 
 - Each block type: the kernel's values are gguf-py's own dequantization, bit for bit, on random blocks; its products
-  give every row the same bits for 1 to 16 rows and for a prefill's many rows; they agree with the dequantized matrix's product; the PyTorch
-  reference path (no kernel) too.
+  give every row the same bits for 1 to 16 rows and for a prefill's many rows; they agree with the dequantized
+  matrix's product; the PyTorch reference path (no kernel) too.
 - Tiny seeded Llama and Qwen2 models written as GGUF files (llama.cpp's row permutation of attn_q / attn_k included,
   every block type used): the loaded model's weights are the file's dequantization (checked against transformers'
   own un-permutation), its greedy tokens are the dequantized dense model's, and speculative decoding over it returns
