@@ -151,10 +151,13 @@ def test_every_row_count_gives_each_row_the_same_bits(isa, threads, name):
 def test_a_prefill_gives_each_row_the_bits_it_has_alone(isa, threads, name):
     """Many rows of x (a prefill) take another path through the AVX-512 kernel (gguf_gemm.cpp, panel_path: from 96
     rows, from 48 where K > 2048), in tiles of 12 rows against panels of 32 weight rows: each row still gets the bits it
-    has alone, at the thresholds, with partial tiles and a partial panel, on 1 and 2 threads."""
+    has alone, at the thresholds, for every size of the last tile (1 to 12 rows) and a last panel that fills one vector
+    and part of the other, on 1 and 2 threads. Python cannot see which path ran: the counts reach far past the
+    thresholds (300 and 200 rows), so the path is run as long as its thresholds stay below them."""
     block, rng = TYPES[name], np.random.default_rng(3)
-    for k, counts in ((768, (95, 96, 97, 107, 131)), (4096 + 2 * max(block.values, 16), (47, 48, 61))):
-        blocks = torch.from_numpy(random_blocks(block, 70, k, rng))  # two panels of 32 and 6 rows
+    n = 86  # panels of 32, 32 and 22 rows
+    for k, counts in ((768, (*range(95, 108), 131, 300)), (4096 + 2 * max(block.values, 16), (47, 48, 61, 200))):
+        blocks = torch.from_numpy(random_blocks(block, n, k, rng))
         x = torch.randn(max(counts), k, generator=torch.Generator().manual_seed(4))
         torch.set_num_threads(1)
         alone = torch.cat([gw.exact_mm(isa, x[m:m + 1], blocks, block.qtype, k) for m in range(len(x))])
@@ -162,7 +165,7 @@ def test_a_prefill_gives_each_row_the_bits_it_has_alone(isa, threads, name):
             torch.set_num_threads(count)
             for rows in counts:
                 assert torch.equal(gw.exact_mm(isa, x[:rows], blocks, block.qtype, k), alone[:rows]), (k, rows, count)
-        weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(70, k)
+        weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(n, k)
         assert torch.equal(alone[:8], lanes_reference(x[:8], weight)), "not the kernels' documented sums"
 
 

@@ -373,8 +373,8 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* rows, int64_t row_byte
   store<M, R>(acc, out, ldo);
 }
 
-// M rows of x in groups of kRowsM against R weight rows dequantized whole first (a prefill): each output the same
-// chain as few_rows gives it
+// M rows of x in groups of kRowsM against R weight rows dequantized whole first (more rows than a verification, fewer
+// than panel_path's): each output the same chain as few_rows gives it
 template <int64_t QT, int R>
 void many_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int64_t row_bytes,
                const Format& f, int64_t K, float* buf, float* out, int64_t ldo) {
@@ -401,13 +401,14 @@ void many_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int6
 // tile of kTileM rows of x rather than once per 4. The chain of output (m, n) in lane l is the sum over j of
 // x[m, 16 j + l] * w[n, 16 j + l], fused multiply-adds in order of j from zero, then sum_lanes' sum of the 16 lanes.
 // Here a vector holds lane l of 16 weight rows n side by side, multiplied by a broadcast value of x: the weights of
-// kPanelN rows are dequantized (dequantize_row) and transposed lane by lane (panel_of), x once per call
+// kPanelN rows are dequantized (dequantize_block) and transposed lane by lane (panel_of), x once per call
 // (lanes_of_x).
 constexpr int kTileM = 12;          // rows of x per register tile: 12 x 2 accumulators, 2 weight vectors, 1 broadcast
 constexpr int kPanelN = 32;         // weight rows per panel: two vectors
 
-// whether mm takes this path for M rows of x of K values: from 96 rows on (below, many_rows' 4 x 4 dots, their 8 rows
-// in L1, are as fast: docs/gguf.md), from 48 where 8 rows of K values overflow L1 (K > 2048: a down projection)
+// whether mm takes this path for M rows of x of K values: from 96 rows on (below, many_rows' dots of 4 rows of x by 4
+// weight rows are as fast where those 8 rows stay near L1: docs/gguf.md), from 48 where K > 2048 (a down projection:
+// its 8 rows of K values are read from L2)
 inline bool panel_path(int64_t M, int64_t K) { return K % 16 == 0 && M >= (K > 2048 ? 48 : 96); }
 
 // 16 vectors transposed in place: lane b of v[a] <-> lane a of v[b]
@@ -510,7 +511,7 @@ inline __m512 sum_lane_vectors(const float* at, int64_t stride) {
 }
 
 template <int64_t QT>
-void panel_rows(const float* xt, int64_t M, const uint8_t* wp, int64_t row_bytes, const Format& f, float* op,
+void panel_rows(const float* xt, int64_t M, const uint8_t* wp, int64_t row_bytes, float* op,
                 int64_t N, int64_t K) {
   const int64_t Kj = K / 16, tiles = (M + kTileM - 1) / kTileM, panels = (N + kPanelN - 1) / kPanelN;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -581,7 +582,7 @@ void mm_rows(const float* xp, int64_t M, const uint8_t* wp, int64_t row_bytes, c
   if (panel_path(M, K)) {
     std::vector<float> xt((M + kTileM - 1) / kTileM * kTileM * K);
     lanes_of_x(xp, M, K, xt.data());
-    panel_rows<QT>(xt.data(), M, wp, row_bytes, f, op, N, K);
+    panel_rows<QT>(xt.data(), M, wp, row_bytes, op, N, K);
     return;
   }
   const int64_t groups = (N + kRowsN - 1) / kRowsN;
