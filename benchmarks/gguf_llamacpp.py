@@ -8,7 +8,9 @@ mode whatever the target's, since a draft's arithmetic never changes the target'
 the draft's default generation config, where the cost model picks each round's length); optionally ours fp32
 (compiled) and stock transformers fp32 on the provisioned folder (``--with-fp32``), and ours int4 quantized at load
 from the provisioned fp32 folders (``--with-int4``: the target alone in each mode, the 0.5B's int4 copy as a draft of
-the fast int4 target and of both GGUF targets). Per prompt the median over rounds of decode
+the fast int4 target and of both GGUF targets). A target with no smaller model of its family (SmolLM2, the 0.5B)
+runs with ``--draft lookup``: prompt lookup in both stacks (``llama-lookup``; ours ``prompt_lookup_num_tokens=K``)
+instead of a draft. Per prompt the median over rounds of decode
 tokens/s and time to first token; then the median over prompts. Beside them: the file's bytes per token (every tensor
 once, the embedding one row) over the read bandwidth measured at the start of each round (the one-token roofline);
 our GGUF layers' time for 4 rows against 1 (a verification's cost on the quantized kernels, in decode steps); RSS
@@ -51,6 +53,10 @@ def bytes_per_token(path: str) -> int:
     for name, t in gguf.tensors.items():
         total += t.nbytes // t.rows if name == "token_embd.weight" and "output.weight" in gguf.tensors else t.nbytes
     return total
+
+
+#: ``--draft`` value for prompt lookup in both stacks
+LOOKUP = "lookup"
 
 
 def llamacpp(binary: str, args: list, prompt: str, threads: int, new_tokens: int) -> dict:
@@ -117,9 +123,13 @@ def _alone(name: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llamacpp-bin", required=True, help="folder with llama-completion, llama-speculative-simple")
+    parser.add_argument("--llamacpp-bin", required=True,
+                        help="folder with llama-completion, llama-speculative-simple, llama-lookup")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct",
+                        help=f"a provisioned name, or {LOOKUP!r}: prompt lookup (n-gram proposals from the context) "
+                             "in both stacks (ours: prompt_lookup_num_tokens=K; llama.cpp: llama-lookup), for a "
+                             "target with no smaller model of its family")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--k", type=int, default=3, help="draft tokens per round (both stacks)")
     parser.add_argument("--prompts", type=int, default=3)
@@ -143,7 +153,11 @@ def main(argv=None) -> int:
     from optimum_ipex_spec.utils.timing import timed_generate
 
     torch.set_num_threads(args.threads)
-    target_gguf, draft_gguf = str(gguf_path(args.target)), str(gguf_path(args.draft))
+    lookup = args.draft == LOOKUP
+    if lookup and (args.with_int4 or args.with_fp32):
+        parser.error(f"--draft {LOOKUP} runs the GGUF rows only: leave out --with-int4 and --with-fp32")
+    target_gguf = str(gguf_path(args.target))
+    draft_gguf = target_gguf if lookup else str(gguf_path(args.draft))
     folder = resolve_model(args.target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = chat_prompts(tokenizer, n=args.prompts)
@@ -162,28 +176,38 @@ def main(argv=None) -> int:
     compile_load_s = time.perf_counter() - start
     # the draft of every row with k fixed, whatever the target's mode: a draft's arithmetic changes which tokens it
     # proposes, never which ones the target keeps, so it runs the fast kernels
-    draft = IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast", torch_compile=True)
+    drafts = () if lookup else [IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast",
+                                                                     torch_compile=True)]
     gc.collect()
     rss_gguf = _rss_gb()["VmRSS"] - before
     fast = IPEXModelForCausalLM.from_pretrained(args.target, weights="gguf", gguf_mode="fast", torch_compile=True)
-    # the same draft file with its default generation config: the cost model decides how far to draft
-    fast_draft_auto = IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast",
-                                                           torch_compile=True)
-    for model in (draft, fast, fast_draft_auto):
+    if not lookup:  # the same draft file with its default generation config: the cost model decides how far to draft
+        drafts.append(IPEXModelForCausalLM.from_pretrained(args.draft, weights="gguf", gguf_mode="fast",
+                                                           torch_compile=True))
+    for model in (*drafts, fast):
         model.compile_chunk_step()
     verify_steps_fast = verification_cost(fast)
-    draft.generation_config.num_assistant_tokens = args.k
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
-    configs = [("llama.cpp alone", "llamacpp", ["-m", target_gguf, "-no-cnv", "--no-warmup"]),
-               (f"llama.cpp + draft, k={args.k}", "llamacpp-spec",
-                ["-m", target_gguf, "-md", draft_gguf, "--spec-type", "draft-simple", "--spec-draft-n-max",
-                 str(args.k)]),
-               ("ours GGUF exact alone", ours, {}),
-               (f"ours GGUF exact + fast draft GGUF, k={args.k}", ours, {"assistant_model": draft}),
-               ("ours GGUF fast alone", fast, {}),
-               (f"ours GGUF fast + fast draft GGUF, k={args.k}", fast, {"assistant_model": draft}),
-               ("ours GGUF fast + fast draft GGUF, cost model", fast, {"assistant_model": fast_draft_auto})]
+    configs = [("llama.cpp alone", "llamacpp", ["-m", target_gguf, "-no-cnv", "--no-warmup"])]
+    if lookup:
+        configs += [(f"llama.cpp lookup, k={args.k}", "llamacpp-lookup", ["-m", target_gguf, "--spec-draft-n-max",
+                                                                        str(args.k)]),
+                    ("ours GGUF exact alone", ours, {}),
+                    (f"ours GGUF exact + prompt lookup, k={args.k}", ours, {"prompt_lookup_num_tokens": args.k}),
+                    ("ours GGUF fast alone", fast, {}),
+                    (f"ours GGUF fast + prompt lookup, k={args.k}", fast, {"prompt_lookup_num_tokens": args.k})]
+    else:
+        draft, fast_draft_auto = drafts
+        draft.generation_config.num_assistant_tokens = args.k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        configs += [(f"llama.cpp + draft, k={args.k}", "llamacpp-spec",
+                     ["-m", target_gguf, "-md", draft_gguf, "--spec-type", "draft-simple", "--spec-draft-n-max",
+                      str(args.k)]),
+                    ("ours GGUF exact alone", ours, {}),
+                    (f"ours GGUF exact + fast draft GGUF, k={args.k}", ours, {"assistant_model": draft}),
+                    ("ours GGUF fast alone", fast, {}),
+                    (f"ours GGUF fast + fast draft GGUF, k={args.k}", fast, {"assistant_model": draft}),
+                    ("ours GGUF fast + fast draft GGUF, cost model", fast, {"assistant_model": fast_draft_auto})]
     if args.with_int4:
         int4 = {mode: IPEXModelForCausalLM.from_pretrained(folder, export=True, weights="int4", gguf_mode=mode,
                                                           torch_compile=True) for mode in ("exact", "fast")}
@@ -205,7 +229,8 @@ def main(argv=None) -> int:
         stock = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
         configs += [("ours fp32 compiled alone", fp32, {}), ("stock transformers fp32", stock, {})]
     binaries = {"llamacpp": os.path.join(args.llamacpp_bin, "llama-completion"),
-                "llamacpp-spec": os.path.join(args.llamacpp_bin, "llama-speculative-simple")}
+                "llamacpp-spec": os.path.join(args.llamacpp_bin, "llama-speculative-simple"),
+                "llamacpp-lookup": os.path.join(args.llamacpp_bin, "llama-lookup")}
     samples = {name: {i: [] for i in range(len(prompts))} for name, _, _ in configs}
     identical = {name: True for name, model, _ in configs if not isinstance(model, str)}
     bandwidth, llama_load = [], []
@@ -277,8 +302,8 @@ def main(argv=None) -> int:
                   f"{result['roofline_tok_s']:.1f} tok/s.",
               f"- A 4-row product on our GGUF layers costs {verify_steps:.2f} one-row products (exact mode), "
               f"{verify_steps_fast:.2f} (fast mode).",
-              f"- RSS of the GGUF exact target and its fast draft (compiled): {rss_gguf:.2f} GB; the target file "
-              f"{result['file_gb']:.2f} GB.",
+              f"- RSS of the GGUF exact target{'' if lookup else ' and its fast draft'} (compiled): {rss_gguf:.2f} GB; "
+              f"the target file {result['file_gb']:.2f} GB.",
               f"- Load of the target file: ours {load_s:.2f} s (eager), {compile_load_s:.1f} s by provisioned name "
               f"with both graphs compiled; llama.cpp "
               f"{result['llamacpp_load_s']:.2f} s.",

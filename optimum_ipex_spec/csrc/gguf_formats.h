@@ -17,6 +17,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -133,6 +134,25 @@ inline Format checked_format(const at::Tensor& blocks, int64_t qtype, int64_t K)
   }
 
 namespace optimum_ipex_spec_gguf_formats {
+
+// The exact kernels' prefill path (panel_path in each): x [M, K] (K a multiple of 16) -> xt, the rows in tiles of
+// TileM and the values of each tile by lane: tile t's lane l at xt + (16 t + l) * (K / 16) * TileM holds
+// [K / 16][TileM], entry [j][i] = x[TileM t + i, 16 j + l]; rows past M zero. xt holds ceil(M / TileM) * TileM * K.
+template <int TileM>
+void lanes_of_x(const float* x, int64_t M, int64_t K, float* xt) {
+  const int64_t Kj = K / 16, tiles = (M + TileM - 1) / TileM;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const int rows = static_cast<int>(M - TileM * t < TileM ? M - TileM * t : TileM);
+      for (int l = 0; l < 16; l++) {
+        float* out = xt + (16 * t + l) * Kj * TileM;
+        const float* in = x + TileM * t * K + l;
+        for (int64_t j = 0; j < Kj; j++)
+          for (int i = 0; i < TileM; i++) out[TileM * j + i] = i < rows ? in[i * K + 16 * j] : 0.0f;
+      }
+    }
+  });
+}
 
 // The exact kernels' two operator shells: the arguments checked, the output made, then the rows computed by the
 // kernel's Rows::dequantize<QT>(src, row_bytes, f, dst, N, K) and Rows::mm<QT>(x, M, blocks, row_bytes, f, out, N, K)

@@ -402,7 +402,7 @@ void many_rows(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int6
 // x[m, 16 j + l] * w[n, 16 j + l], fused multiply-adds in order of j from zero, then sum_lanes' sum of the 16 lanes.
 // Here a vector holds lane l of 16 weight rows n side by side, multiplied by a broadcast value of x: the weights of
 // kPanelN rows are dequantized (dequantize_block) and transposed lane by lane (panel_of), x once per call
-// (lanes_of_x).
+// (lanes_of_x, gguf_formats.h).
 constexpr int kTileM = 12;          // rows of x per register tile: 12 x 2 accumulators, 2 weight vectors, 1 broadcast
 constexpr int kPanelN = 32;         // weight rows per panel: two vectors
 
@@ -433,23 +433,6 @@ inline void transpose16(__m512 (&v)[16]) {
     v[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
     v[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
   }
-}
-
-// x [M, K] -> xt, tile t of kTileM rows and lane l at xt + (16 t + l) * (K / 16) * kTileM: [K / 16][kTileM], entry
-// [j][i] = x[kTileM t + i, 16 j + l], rows past M zero
-void lanes_of_x(const float* x, int64_t M, int64_t K, float* xt) {
-  const int64_t Kj = K / 16, tiles = (M + kTileM - 1) / kTileM;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      const int rows = static_cast<int>(M - kTileM * t < kTileM ? M - kTileM * t : kTileM);
-      for (int l = 0; l < 16; l++) {
-        float* out = xt + (16 * t + l) * Kj * kTileM;
-        const float* in = x + kTileM * t * K + l;
-        for (int64_t j = 0; j < Kj; j++)
-          for (int i = 0; i < kTileM; i++) out[kTileM * j + i] = i < rows ? in[i * K + 16 * j] : 0.0f;
-      }
-    }
-  });
 }
 
 // R (<= kPanelN) weight rows -> p, lane l at p + l * (K / 16) * kPanelN: [K / 16][kPanelN], entry [j][r] =
@@ -581,7 +564,7 @@ void mm_rows(const float* xp, int64_t M, const uint8_t* wp, int64_t row_bytes, c
              int64_t K) {
   if (panel_path(M, K)) {
     std::vector<float> xt((M + kTileM - 1) / kTileM * kTileM * K);
-    lanes_of_x(xp, M, K, xt.data());
+    lanes_of_x<kTileM>(xp, M, K, xt.data());
     panel_rows<QT>(xt.data(), M, wp, row_bytes, op, N, K);
     return;
   }

@@ -13,12 +13,13 @@
 //       AVX2 machine as on an AVX-512 one.
 //
 // With 1-4 rows of x (a decode step, a verification of up to 3 draft tokens), each weight row's blocks are dequantized
-// 8 values at a time in a register and multiplied into every row's accumulators at once (fused_row). With more rows
-// (a prefill), each group of 4 weight rows is dequantized 256 values at a time (one K-quant super-block, or 8 blocks
-// of 32) into a buffer in L1, once for all the rows of x, while a share of the next group is prefetched; the
-// accumulators of every row of x stay in memory between these pieces (loading and storing a lane's sum does not
-// change it). Both paths make the same values and the same chains, so the same bits. Weight rows are split between
-// torch's threads, each computed by one thread. Block layouts: gguf_formats.h.
+// 8 values at a time in a register and multiplied into every row's accumulators at once (fused_row). From 16 rows (a
+// prefill) 16 weight rows are dequantized and transposed so that a vector holds one lane of 8 of them, each vector
+// multiplied by 6 rows of x (panel_rows). With 5-15 rows, each group of 4 weight rows is dequantized 256 values at a
+// time (one K-quant super-block, or 8 blocks of 32) into a buffer in L1, once for all the rows of x, while a share of
+// the next group is prefetched; the accumulators of every row of x stay in memory between these pieces (loading and
+// storing a lane's sum does not change it). Every path makes the same values and the same chains, so the same bits.
+// Weight rows are split between torch's threads, each computed by one thread. Block layouts: gguf_formats.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -244,6 +245,129 @@ void fused_row(const float* x, int64_t K, const uint8_t* row, const Format& f, f
   for (int m = 0; m < MB; m++) out[m * ldo] = sum_lanes(a[m]);
 }
 
+// A prefill's path (panel_path says when), as gguf_gemm.cpp's: the same chains and lane sums, so the same bits, with
+// each weight value loaded once per tile of kTileM rows of x. A vector holds lane l of 8 weight rows side by side,
+// multiplied by a broadcast value of x: the weights of kPanelN rows are dequantized (dequantize_piece) and transposed
+// 8 by 8 (panel_of), x once per call (lanes_of_x, gguf_formats.h).
+constexpr int kTileM = 6;    // rows of x per register tile: 6 x 2 accumulators, 2 weight vectors, 1 broadcast
+constexpr int kPanelN = 16;  // weight rows per panel: two vectors
+
+// whether mm takes this path for M rows of x of K values (below: row_group, as fast: docs/gguf.md)
+inline bool panel_path(int64_t M, int64_t K) { return K % 16 == 0 && M >= 16; }
+
+// 8 vectors transposed in place: lane b of v[a] <-> lane a of v[b]
+inline void transpose8(__m256 (&v)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; i++) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; i++)
+    for (int h = 0; h < 2; h++) {
+      u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
+      u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xEE);
+    }
+  for (int c = 0; c < 4; c++) {
+    v[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    v[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// R (<= kPanelN) weight rows -> p, lane l at p + l * (K / 16) * kPanelN: [K / 16][kPanelN], entry [j][r] =
+// w[r, 16 j + l] (dequantize_piece's values), rows past R zero. 16 rows' values are made one block (or 16 values,
+// whichever is more) at a time into y and transposed 8 by 8.
+template <int64_t QT>
+void panel_of(const uint8_t* rows, int64_t row_bytes, const Format& f, int R, int64_t K, float* p) {
+  constexpr Format fmt = format_for(QT);
+  constexpr int64_t step = fmt.values > 16 ? fmt.values : 16;  // values per row made at a time
+  const int64_t Kj = K / 16;
+  alignas(32) float y[kPanelN][step];
+  for (int64_t k0 = 0; k0 < K; k0 += step) {
+    for (int r = 0; r < kPanelN; r++) {
+      if (r < R)
+        dequantize_piece<QT>(rows + r * row_bytes, f, k0, k0 + step, y[r]);
+      else
+        std::memset(y[r], 0, sizeof(y[r]));
+    }
+    for (int64_t c = 0; c < step; c += 16)
+      for (int rh = 0; rh < 2; rh++)
+        for (int lh = 0; lh < 2; lh++) {
+          __m256 v[8];
+          for (int i = 0; i < 8; i++) v[i] = _mm256_load_ps(y[8 * rh + i] + c + 8 * lh);
+          transpose8(v);
+          const int64_t j = (k0 + c) / 16;
+          for (int q = 0; q < 8; q++) _mm256_store_ps(p + ((8 * lh + q) * Kj + j) * kPanelN + 8 * rh, v[q]);
+        }
+  }
+}
+
+// lane l of MT rows of a tile against a panel: lanes [MT][kPanelN] <- the chains over j of xt[j][i] * p[j][n]
+template <int MT>
+void panel_lane(const float* xt, const float* p, int64_t Kj, float* lanes) {
+  __m256 acc[MT][2];
+  for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < Kj; j++) {
+    const __m256 w0 = _mm256_load_ps(p + kPanelN * j), w1 = _mm256_load_ps(p + kPanelN * j + 8);
+    for (int i = 0; i < MT; i++) {
+      const __m256 xv = _mm256_broadcast_ss(xt + kTileM * j + i);
+      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < MT; i++) {
+    _mm256_store_ps(lanes + kPanelN * i, acc[i][0]);
+    _mm256_store_ps(lanes + kPanelN * i + 8, acc[i][1]);
+  }
+}
+
+// the 16 lanes v[l] = at + l * stride (8 outputs each) summed as sum_lanes sums one output's lanes, output by output
+inline __m256 sum_lane_vectors(const float* at, int64_t stride) {
+  __m256 s[8];
+  for (int l = 0; l < 8; l++)
+    s[l] = _mm256_add_ps(_mm256_load_ps(at + (l + 8) * stride), _mm256_load_ps(at + l * stride));
+  for (int l = 0; l < 4; l++) s[l] = _mm256_add_ps(s[l + 4], s[l]);
+  return _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[1], s[3]));
+}
+
+template <int64_t QT>
+void panel_rows(const float* xt, int64_t M, const uint8_t* blocks, int64_t row_bytes, const Format& f, float* out,
+                int64_t N, int64_t K) {
+  const int64_t Kj = K / 16, tiles = (M + kTileM - 1) / kTileM, panels = (N + kPanelN - 1) / kPanelN;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // 32-byte aligned: the panel is read as whole vectors
+    std::vector<__m256> storage((kPanelN * K + 16 * kTileM * kPanelN) / 8);
+    float* p = reinterpret_cast<float*>(storage.data());
+    float* lanes = p + kPanelN * K;  // [16][kTileM][kPanelN]
+    alignas(32) float sums[8];
+    for (int64_t panel = begin; panel < end; panel++) {
+      const int64_t n0 = kPanelN * panel;
+      const int R = static_cast<int>(N - n0 < kPanelN ? N - n0 : kPanelN);
+      panel_of<QT>(blocks + n0 * row_bytes, row_bytes, f, R, K, p);
+      for (int64_t t = 0; t < tiles; t++) {
+        const int MT = static_cast<int>(M - kTileM * t < kTileM ? M - kTileM * t : kTileM);
+        for (int l = 0; l < 16; l++) {
+          const float* x = xt + (16 * t + l) * Kj * kTileM;
+          const float* w = p + l * Kj * kPanelN;
+          float* y = lanes + l * kTileM * kPanelN;
+          switch (MT) {
+            case 1: panel_lane<1>(x, w, Kj, y); break;
+            case 2: panel_lane<2>(x, w, Kj, y); break;
+            case 3: panel_lane<3>(x, w, Kj, y); break;
+            case 4: panel_lane<4>(x, w, Kj, y); break;
+            case 5: panel_lane<5>(x, w, Kj, y); break;
+            default: panel_lane<6>(x, w, Kj, y);
+          }
+        }
+        for (int i = 0; i < MT; i++)
+          for (int h = 0; h < 2 && 8 * h < R; h++) {
+            _mm256_store_ps(sums, sum_lane_vectors(lanes + kPanelN * i + 8 * h, kTileM * kPanelN));
+            for (int n = 8 * h; n < R && n < 8 * h + 8; n++) out[(kTileM * t + i) * N + n0 + n] = sums[n - 8 * h];
+          }
+      }
+    }
+  });
+}
+
 // rows 0..MB-1 of x times every weight row, one row at a time (fused_row), weight rows split between the threads
 template <int64_t QT, int MB>
 void fused_rows(const float* x, const uint8_t* blocks, int64_t row_bytes, const Format& f, float* out, int64_t N,
@@ -273,6 +397,12 @@ struct Rows {
         case 4: fused_rows<QT, 4>(x, blocks, row_bytes, f, out, N, K); return;
         default: break;  // more rows: each piece dequantized once into L1 for all of them
       }
+    }
+    if (panel_path(M, K)) {
+      std::vector<float> xt((M + kTileM - 1) / kTileM * kTileM * K);
+      lanes_of_x<kTileM>(x, M, K, xt.data());
+      panel_rows<QT>(xt.data(), M, blocks, row_bytes, f, out, N, K);
+      return;
     }
     const int64_t groups = (N + kRows - 1) / kRows;
     at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
