@@ -9,10 +9,11 @@ the draft's default generation config, where the cost model picks each round's l
 (compiled) and stock transformers fp32 on the provisioned folder (``--with-fp32``), and ours int4 quantized at load
 from the provisioned fp32 folders (``--with-int4``: the target alone in each mode, the 0.5B's int4 copy as a draft of
 the fast int4 target and of both GGUF targets). A target with no smaller model of its family (SmolLM2, the 0.5B)
-runs with ``--draft lookup``: prompt lookup in both stacks (``llama-lookup``; ours ``prompt_lookup_num_tokens=K``)
-instead of a draft. Per prompt the median over rounds of decode
-tokens/s and time to first token; then the median over prompts. Beside them: the file's bytes per token (every tensor
-once, the embedding one row) over the read bandwidth measured at the start of each round (the one-token roofline);
+runs with ``--draft lookup``: prompt lookup in both stacks instead of a draft (``llama-lookup``; ours
+``prompt_lookup_num_tokens=K``, K a round where the context has a match, and with the cost model choosing); the
+untimed first load is then of the target's file, so the timed load reads it a second time. Per prompt the median
+over rounds of decode tokens/s and time to first token; then the median over prompts. Beside them: the file's bytes
+per token (every tensor once, the embedding one row) over the read bandwidth measured at the start of each round (the one-token roofline);
 our GGUF layers' time for 4 rows against 1 (a verification's cost on the quantized kernels, in decode steps); RSS
 after loading the GGUF target; load times. ``benchmarks/gguf_kernels.py`` times the kernels alone.
 
@@ -188,13 +189,15 @@ def main(argv=None) -> int:
         model.compile_chunk_step()
     verify_steps_fast = verification_cost(fast)
     configs = [("llama.cpp alone", "llamacpp", ["-m", target_gguf, "-no-cnv", "--no-warmup"])]
-    if lookup:
+    if lookup:  # a constant K proposals a round where the context has a match, as llama-lookup's n-max
+        constant = {"prompt_lookup_num_tokens": args.k, "num_assistant_tokens_schedule": "constant"}
         configs += [(f"llama.cpp lookup, k={args.k}", "llamacpp-lookup", ["-m", target_gguf, "--spec-draft-n-max",
                                                                         str(args.k)]),
                     ("ours GGUF exact alone", ours, {}),
-                    (f"ours GGUF exact + prompt lookup, k={args.k}", ours, {"prompt_lookup_num_tokens": args.k}),
+                    (f"ours GGUF exact + prompt lookup, k={args.k}", ours, constant),
                     ("ours GGUF fast alone", fast, {}),
-                    (f"ours GGUF fast + prompt lookup, k={args.k}", fast, {"prompt_lookup_num_tokens": args.k})]
+                    (f"ours GGUF fast + prompt lookup, k={args.k}", fast, constant),
+                    ("ours GGUF fast + prompt lookup, cost model", fast, {"prompt_lookup_num_tokens": args.k})]
     else:
         draft, fast_draft_auto = drafts
         draft.generation_config.num_assistant_tokens = args.k
@@ -246,13 +249,14 @@ def main(argv=None) -> int:
                     llama_load.append(result["load_s"])
                     sample = {"decode": result["decode_tok_s"], "ttft": result["ttft_s"]}
                 else:
-                    helper = extra.get("assistant_model")
-                    if helper is not None:
-                        helper.last_speculation_stats = None
+                    # the counts of proposals: on the draft, or on the target for prompt lookup
+                    holder = model if "prompt_lookup_num_tokens" in extra else extra.get("assistant_model")
+                    if holder is not None:
+                        holder.last_speculation_stats = None
                     outputs[name], timing = timed_generate(model, tokenizer(prompt, return_tensors="pt"), **gen,
                                                            **extra)
                     sample = {"decode": timing.decode_tokens_per_s, "ttft": timing.ttft_s}
-                    stats = helper.last_speculation_stats if helper is not None else None
+                    stats = holder.last_speculation_stats if holder is not None else None
                     if stats is not None:
                         counts = drafted.setdefault(name, [0, 0])
                         counts[0], counts[1] = counts[0] + stats.accepted, counts[1] + stats.proposed

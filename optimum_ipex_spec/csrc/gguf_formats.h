@@ -138,8 +138,9 @@ namespace optimum_ipex_spec_gguf_formats {
 // The exact kernels' prefill path (panel_path in each): x [M, K] (K a multiple of 16) -> xt, the rows in tiles of
 // TileM and the values of each tile by lane: tile t's lane l at xt + (16 t + l) * (K / 16) * TileM holds
 // [K / 16][TileM], entry [j][i] = x[TileM t + i, 16 j + l]; rows past M zero. xt holds ceil(M / TileM) * TileM * K.
+// (static: each kernel's build keeps its own copy, compiled with its own instruction set)
 template <int TileM>
-void lanes_of_x(const float* x, int64_t M, int64_t K, float* xt) {
+static void lanes_of_x(const float* x, int64_t M, int64_t K, float* xt) {
   const int64_t Kj = K / 16, tiles = (M + TileM - 1) / TileM;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
