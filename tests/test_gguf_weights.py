@@ -150,15 +150,15 @@ def test_every_row_count_gives_each_row_the_same_bits(isa, threads, name):
 @pytest.mark.parametrize("name", sorted(TYPES))
 def test_a_prefill_gives_each_row_the_bits_it_has_alone(isa, threads, name):
     """Many rows of x (a prefill) take another path through each exact kernel (panel_path: gguf_gemm.cpp from 96 rows,
-    from 48 where K > 2048, in tiles of 12 rows against panels of 32 weight rows; gguf_gemm_avx2.cpp from 16 rows,
-    tiles of 6, panels of 16): each row still gets the bits it has alone, at the AVX-512 kernel's thresholds (the AVX2
-    one's, 16 rows, is in test_every_row_count_gives_each_row_the_same_bits), for every size of the last tile and a
-    last panel that fills one vector and part of the other, on 1 and 2 threads. Python cannot see which
-    path ran: the counts reach far past the thresholds (300 and 200 rows), so the path is run as long as its thresholds
-    stay below them."""
+    from 48 where K > 2048, in tiles of 12 rows against panels of 32 weight rows; gguf_gemm_avx2.cpp from 48 rows where
+    K > 2048, tiles of 6, panels of 16): each row still gets the bits it has alone, at the thresholds, for every size
+    of the last tile and a last panel that fills one vector and part of the other, on 1 and 2 threads. Python cannot
+    see which path ran: the counts reach far past the thresholds (300 and 200 rows), so the path is run as long as its
+    thresholds stay below them."""
     block, rng = TYPES[name], np.random.default_rng(3)
     n = 93  # a last panel of 29 rows (AVX-512: 16 + 13) and of 13 (AVX2: 8 + 5)
-    for k, counts in ((768, (*range(95, 108), 131, 300)), (4096 + 2 * max(block.values, 16), (47, 48, 61, 200))):
+    wide = 4096 + 2 * max(block.values, 16)  # K > 2048
+    for k, counts in ((768, (*range(95, 108), 131, 300)), (wide, (47, 48, 51, 52, 53, 61, 200))):
         blocks = torch.from_numpy(random_blocks(block, n, k, rng))
         x = torch.randn(max(counts), k, generator=torch.Generator().manual_seed(4))
         torch.set_num_threads(1)

@@ -13,13 +13,14 @@
 //       AVX2 machine as on an AVX-512 one.
 //
 // With 1-4 rows of x (a decode step, a verification of up to 3 draft tokens), each weight row's blocks are dequantized
-// 8 values at a time in a register and multiplied into every row's accumulators at once (fused_row). From 16 rows (a
-// prefill) 16 weight rows are dequantized and transposed so that a vector holds one lane of 8 of them, each vector
-// multiplied by 6 rows of x (panel_rows). With 5-15 rows, each group of 4 weight rows is dequantized 256 values at a
-// time (one K-quant super-block, or 8 blocks of 32) into a buffer in L1, once for all the rows of x, while a share of
-// the next group is prefetched; the accumulators of every row of x stay in memory between these pieces (loading and
-// storing a lane's sum does not change it). Every path makes the same values and the same chains, so the same bits.
-// Weight rows are split between torch's threads, each computed by one thread. Block layouts: gguf_formats.h.
+// 8 values at a time in a register and multiplied into every row's accumulators at once (fused_row). From 48 rows
+// where K > 2048 (a prefill's down projection), 16 weight rows are dequantized and transposed so that a vector holds
+// one lane of 8 of them, each vector multiplied by 6 rows of x (panel_rows). Otherwise, with more than 4 rows, each
+// group of 4 weight rows is dequantized 256 values at a time (one K-quant super-block, or 8 blocks of 32) into a buffer
+// in L1, once for all the rows of x, while a share of the next group is prefetched; the accumulators of every row of x
+// stay in memory between these pieces (loading and storing a lane's sum does not change it). Every path makes the
+// same values and the same chains, so the same bits. Weight rows are split between torch's threads, each computed by
+// one thread. Block layouts: gguf_formats.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -252,8 +253,9 @@ void fused_row(const float* x, int64_t K, const uint8_t* row, const Format& f, f
 constexpr int kTileM = 6;    // rows of x per register tile: 6 x 2 accumulators, 2 weight vectors, 1 broadcast
 constexpr int kPanelN = 16;  // weight rows per panel: two vectors
 
-// whether mm takes this path for M rows of x of K values (below: row_group, as fast: docs/gguf.md)
-inline bool panel_path(int64_t M, int64_t K) { return K % 16 == 0 && M >= 16; }
+// whether mm takes this path for M rows of x of K values: where K > 2048 (a down projection, whose rows row_group
+// reads from L2) from 48 rows; elsewhere row_group is as fast or faster (docs/gguf.md)
+inline bool panel_path(int64_t M, int64_t K) { return K % 16 == 0 && K > 2048 && M >= 48; }
 
 // 8 vectors transposed in place: lane b of v[a] <-> lane a of v[b]
 inline void transpose8(__m256 (&v)[8]) {
