@@ -137,11 +137,12 @@ class Build:
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 #: the exact kernel's builds, best first, by instruction set
 EXACT_KERNELS = {
-    "avx512": Build(("gguf_gemm.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf",
+    "avx512": Build(("gguf_gemm.cpp",), ("gguf_formats.h", "gguf_panel.h"), "optimum_ipex_spec_gguf",
                     ("-mavx512f", "-mavx512bw", "-mfma", "-mf16c"), frozenset({"avx512f", "avx512bw", "fma", "f16c"}),
                     (("mm", _mm_shape), ("dequantize", _dequantize_shape))),
-    "avx2": Build(("gguf_gemm_avx2.cpp",), ("gguf_formats.h",), "optimum_ipex_spec_gguf_avx2", _AVX2_FLAGS,
-                  frozenset({"avx2", "fma", "f16c"}), (("mm", _mm_shape), ("dequantize", _dequantize_shape))),
+    "avx2": Build(("gguf_gemm_avx2.cpp",), ("gguf_formats.h", "gguf_panel.h"), "optimum_ipex_spec_gguf_avx2",
+                  _AVX2_FLAGS, frozenset({"avx2", "fma", "f16c"}),
+                  (("mm", _mm_shape), ("dequantize", _dequantize_shape))),
 }
 _LAYOUT_FAKES = (("mm_interleaved", _mm_interleaved_shape), ("deinterleave", _deinterleave_shape))
 #: the fast mode's builds, best first, by instruction set, each with its kernel for the interleaved layout

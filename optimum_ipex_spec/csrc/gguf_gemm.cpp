@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "gguf_formats.h"
+#include "gguf_panel.h"
 
 namespace {
 
@@ -465,80 +466,17 @@ void panel_of(const uint8_t* rows, int64_t row_bytes, int R, int64_t K, float* p
     }
 }
 
-// lane l of MT rows of a tile against a panel: lanes [MT][kPanelN] <- the chains over j of xt[j][i] * p[j][n]
-template <int MT>
-void panel_lane(const float* xt, const float* p, int64_t Kj, float* lanes) {
-  __m512 acc[MT][2];
-  for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < Kj; j++) {
-    const __m512 w0 = _mm512_load_ps(p + kPanelN * j), w1 = _mm512_load_ps(p + kPanelN * j + 16);
-    for (int i = 0; i < MT; i++) {
-      const __m512 xv = _mm512_set1_ps(xt[kTileM * j + i]);
-      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < MT; i++) {
-    _mm512_store_ps(lanes + kPanelN * i, acc[i][0]);
-    _mm512_store_ps(lanes + kPanelN * i + 16, acc[i][1]);
-  }
-}
-
-// the 16 lanes v[l] = at + l * stride (16 outputs each) summed as sum_lanes sums one vector's lanes, output by output
-inline __m512 sum_lane_vectors(const float* at, int64_t stride) {
-  __m512 s[8];
-  for (int l = 0; l < 8; l++)
-    s[l] = _mm512_add_ps(_mm512_loadu_ps(at + (l + 8) * stride), _mm512_loadu_ps(at + l * stride));
-  for (int l = 0; l < 4; l++) s[l] = _mm512_add_ps(s[l + 4], s[l]);
-  return _mm512_add_ps(_mm512_add_ps(s[0], s[2]), _mm512_add_ps(s[1], s[3]));
-}
-
-template <int64_t QT>
-void panel_rows(const float* xt, int64_t M, const uint8_t* wp, int64_t row_bytes, float* op,
-                int64_t N, int64_t K) {
-  const int64_t Kj = K / 16, tiles = (M + kTileM - 1) / kTileM, panels = (N + kPanelN - 1) / kPanelN;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    // 64-byte aligned: the panel is read as whole vectors
-    std::vector<__m512> storage((kPanelN * K + 16 * kTileM * kPanelN) / 16);
-    float* p = reinterpret_cast<float*>(storage.data());
-    float* lanes = p + kPanelN * K;  // [16][kTileM][kPanelN]
-    for (int64_t panel = begin; panel < end; panel++) {
-      const int64_t n0 = kPanelN * panel;
-      const int R = static_cast<int>(N - n0 < kPanelN ? N - n0 : kPanelN);
-      panel_of<QT>(wp + n0 * row_bytes, row_bytes, R, K, p);
-      for (int64_t t = 0; t < tiles; t++) {
-        const int MT = static_cast<int>(M - kTileM * t < kTileM ? M - kTileM * t : kTileM);
-        for (int l = 0; l < 16; l++) {
-          const float* x = xt + (16 * t + l) * Kj * kTileM;
-          const float* w = p + l * Kj * kPanelN;
-          float* y = lanes + l * kTileM * kPanelN;
-          switch (MT) {
-            case 1: panel_lane<1>(x, w, Kj, y); break;
-            case 2: panel_lane<2>(x, w, Kj, y); break;
-            case 3: panel_lane<3>(x, w, Kj, y); break;
-            case 4: panel_lane<4>(x, w, Kj, y); break;
-            case 5: panel_lane<5>(x, w, Kj, y); break;
-            case 6: panel_lane<6>(x, w, Kj, y); break;
-            case 7: panel_lane<7>(x, w, Kj, y); break;
-            case 8: panel_lane<8>(x, w, Kj, y); break;
-            case 9: panel_lane<9>(x, w, Kj, y); break;
-            case 10: panel_lane<10>(x, w, Kj, y); break;
-            case 11: panel_lane<11>(x, w, Kj, y); break;
-            default: panel_lane<12>(x, w, Kj, y);
-          }
-        }
-        for (int i = 0; i < MT; i++)
-          for (int h = 0; h < 2; h++) {
-            const int valid = R - 16 * h;
-            if (valid <= 0) continue;
-            const __mmask16 mask = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-            _mm512_mask_storeu_ps(op + (kTileM * t + i) * N + n0 + 16 * h, mask,
-                                  sum_lane_vectors(lanes + kPanelN * i + 16 * h, kTileM * kPanelN));
-          }
-      }
-    }
-  });
-}
+// gguf_panel.h's vector: 16 floats
+struct Vec512 {
+  using T = __m512;
+  static constexpr int width = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_load_ps(p); }
+  static void store(float* p, T v) { _mm512_store_ps(p, v); }
+  static T set1(float f) { return _mm512_set1_ps(f); }
+  static T fmadd(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+};
 
 template <int64_t QT, int R>
 void row_group(const float* x, int64_t M, int64_t ldx, const uint8_t* rows, int64_t row_bytes,
@@ -565,7 +503,9 @@ void mm_rows(const float* xp, int64_t M, const uint8_t* wp, int64_t row_bytes, c
   if (panel_path(M, K)) {
     std::vector<float> xt((M + kTileM - 1) / kTileM * kTileM * K);
     lanes_of_x<kTileM>(xp, M, K, xt.data());
-    panel_rows<QT>(xt.data(), M, wp, row_bytes, op, N, K);
+    panel_rows<Vec512, kTileM, kPanelN>(xt.data(), M, op, N, K, [&](int64_t n0, int R, float* p) {
+      panel_of<QT>(wp + n0 * row_bytes, row_bytes, R, K, p);
+    });
     return;
   }
   const int64_t groups = (N + kRowsN - 1) / kRowsN;

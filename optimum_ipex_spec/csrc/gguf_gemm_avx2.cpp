@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "gguf_formats.h"
+#include "gguf_panel.h"
 
 namespace {
 
@@ -303,72 +304,17 @@ void panel_of(const uint8_t* rows, int64_t row_bytes, const Format& f, int R, in
   }
 }
 
-// lane l of MT rows of a tile against a panel: lanes [MT][kPanelN] <- the chains over j of xt[j][i] * p[j][n]
-template <int MT>
-void panel_lane(const float* xt, const float* p, int64_t Kj, float* lanes) {
-  __m256 acc[MT][2];
-  for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < Kj; j++) {
-    const __m256 w0 = _mm256_load_ps(p + kPanelN * j), w1 = _mm256_load_ps(p + kPanelN * j + 8);
-    for (int i = 0; i < MT; i++) {
-      const __m256 xv = _mm256_broadcast_ss(xt + kTileM * j + i);
-      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < MT; i++) {
-    _mm256_store_ps(lanes + kPanelN * i, acc[i][0]);
-    _mm256_store_ps(lanes + kPanelN * i + 8, acc[i][1]);
-  }
-}
-
-// the 16 lanes v[l] = at + l * stride (8 outputs each) summed as sum_lanes sums one output's lanes, output by output
-inline __m256 sum_lane_vectors(const float* at, int64_t stride) {
-  __m256 s[8];
-  for (int l = 0; l < 8; l++)
-    s[l] = _mm256_add_ps(_mm256_load_ps(at + (l + 8) * stride), _mm256_load_ps(at + l * stride));
-  for (int l = 0; l < 4; l++) s[l] = _mm256_add_ps(s[l + 4], s[l]);
-  return _mm256_add_ps(_mm256_add_ps(s[0], s[2]), _mm256_add_ps(s[1], s[3]));
-}
-
-template <int64_t QT>
-void panel_rows(const float* xt, int64_t M, const uint8_t* blocks, int64_t row_bytes, const Format& f, float* out,
-                int64_t N, int64_t K) {
-  const int64_t Kj = K / 16, tiles = (M + kTileM - 1) / kTileM, panels = (N + kPanelN - 1) / kPanelN;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    // 32-byte aligned: the panel is read as whole vectors
-    std::vector<__m256> storage((kPanelN * K + 16 * kTileM * kPanelN) / 8);
-    float* p = reinterpret_cast<float*>(storage.data());
-    float* lanes = p + kPanelN * K;  // [16][kTileM][kPanelN]
-    alignas(32) float sums[8];
-    for (int64_t panel = begin; panel < end; panel++) {
-      const int64_t n0 = kPanelN * panel;
-      const int R = static_cast<int>(N - n0 < kPanelN ? N - n0 : kPanelN);
-      panel_of<QT>(blocks + n0 * row_bytes, row_bytes, f, R, K, p);
-      for (int64_t t = 0; t < tiles; t++) {
-        const int MT = static_cast<int>(M - kTileM * t < kTileM ? M - kTileM * t : kTileM);
-        for (int l = 0; l < 16; l++) {
-          const float* x = xt + (16 * t + l) * Kj * kTileM;
-          const float* w = p + l * Kj * kPanelN;
-          float* y = lanes + l * kTileM * kPanelN;
-          switch (MT) {
-            case 1: panel_lane<1>(x, w, Kj, y); break;
-            case 2: panel_lane<2>(x, w, Kj, y); break;
-            case 3: panel_lane<3>(x, w, Kj, y); break;
-            case 4: panel_lane<4>(x, w, Kj, y); break;
-            case 5: panel_lane<5>(x, w, Kj, y); break;
-            default: panel_lane<6>(x, w, Kj, y);
-          }
-        }
-        for (int i = 0; i < MT; i++)
-          for (int h = 0; h < 2 && 8 * h < R; h++) {
-            _mm256_store_ps(sums, sum_lane_vectors(lanes + kPanelN * i + 8 * h, kTileM * kPanelN));
-            for (int n = 8 * h; n < R && n < 8 * h + 8; n++) out[(kTileM * t + i) * N + n0 + n] = sums[n - 8 * h];
-          }
-      }
-    }
-  });
-}
+// gguf_panel.h's vector: 8 floats
+struct Vec256 {
+  using T = __m256;
+  static constexpr int width = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_load_ps(p); }
+  static void store(float* p, T v) { _mm256_store_ps(p, v); }
+  static T set1(float f) { return _mm256_set1_ps(f); }
+  static T fmadd(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+};
 
 // rows 0..MB-1 of x times every weight row, one row at a time (fused_row), weight rows split between the threads
 template <int64_t QT, int MB>
@@ -403,7 +349,9 @@ struct Rows {
     if (panel_path(M, K)) {
       std::vector<float> xt((M + kTileM - 1) / kTileM * kTileM * K);
       lanes_of_x<kTileM>(x, M, K, xt.data());
-      panel_rows<QT>(xt.data(), M, blocks, row_bytes, f, out, N, K);
+      panel_rows<Vec256, kTileM, kPanelN>(xt.data(), M, out, N, K, [&](int64_t n0, int R, float* p) {
+        panel_of<QT>(blocks + n0 * row_bytes, row_bytes, f, R, K, p);
+      });
       return;
     }
     const int64_t groups = (N + kRows - 1) / kRows;
