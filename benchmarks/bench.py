@@ -36,8 +36,8 @@ def _heavy_imports():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.prompts import chat_prompts
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.provision import resolve_model
     from optimum_ipex_spec.utils.import_utils import ipex_status
     from optimum_ipex_spec.utils.timing import timed_generate
 
@@ -232,7 +232,7 @@ def _acceptance(stats):
 
 def run_lookup(path, tokenizer, args, bar):
     """Prompt lookup decoding vs our target alone (fp32, greedy) on grounded real prompts."""
-    from optimum_ipex_spec.prompts import lookup_prompts
+    from optimum_ipex_spec.provisioning.prompts import lookup_prompts
 
     model = IPEXModelForCausalLM.from_pretrained(path, export=True, torch_dtype=torch.float32)
     prompts = lookup_prompts(tokenizer)
@@ -303,7 +303,7 @@ def run_universal(args, bar):
     candidate generator for the duration of the section (measurement only)."""
     from transformers.generation.candidate_generator import AssistedCandidateGeneratorDifferentTokenizers as UAG
 
-    from optimum_ipex_spec.prompts import chatterbot_questions, humaneval_prompts, news_articles
+    from optimum_ipex_spec.provisioning.prompts import chatterbot_questions, humaneval_prompts, news_articles
 
     target_path, draft_path = resolve_model("gemma3-270m"), resolve_model("smollm2-135m-instruct")
     target_tok, draft_tok = AutoTokenizer.from_pretrained(target_path), AutoTokenizer.from_pretrained(draft_path)

@@ -23,7 +23,7 @@ def _one(max_new_tokens: int, answer: int) -> str:
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.provision import provision
+    from optimum_ipex_spec.provisioning.provision import provision
 
     class StopAfter(StoppingCriteria):
         def __init__(self, start: int):

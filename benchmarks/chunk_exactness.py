@@ -10,8 +10,9 @@ Two parts, on ``--threads`` threads (1 by default; the kernel's rounding depends
    1-3 query heads (or 5-7 split in such pieces) differs from the 4-token graph.
 2. Tiny seeded Llama models compiled in fp32 (``torch_compile=True``; tens of seconds each), their 4-token graph
    compiled and checked (``model.compile_chunk_step()``): ``chunk_exact`` and the kernel, with the step's query rows
-   padded to a multiple of 4 where the kernel needs it (:func:`optimum_ipex_spec.compiled_step.attention_query_rows`,
-   decided at load by :func:`~optimum_ipex_spec.compiled_step.attention_rows_round_alike`) and, with
+   padded to a multiple of 4 where the kernel needs it
+   (:func:`optimum_ipex_spec.backends.pytorch.compiled_step.attention_query_rows`,
+   decided at load by :func:`~optimum_ipex_spec.backends.pytorch.compiled_step.attention_rows_round_alike`) and, with
    ``--without-padding``, never (the code before the fix).
 
 Usage (torch-current lane)::
@@ -82,7 +83,8 @@ def build(hidden: int, heads: int, kv_heads: int, layers: int, vocab: int):
 def load(what: str, padding: bool):
     """``(model, seconds)``: a shape (``hidden x heads x kv x layers x vocab``) or a model folder, fp32, compiled, its
     4-token graph compiled and checked; without ``padding`` the graphs are traced as before the fix."""
-    from optimum_ipex_spec import IPEXModelForCausalLM, compiled_step
+    from optimum_ipex_spec import IPEXModelForCausalLM
+    from optimum_ipex_spec.backends.pytorch import compiled_step
 
     original = compiled_step.attention_query_rows
     if not padding:
@@ -115,7 +117,7 @@ def time_steps(what: str, context: int, rounds: int) -> None:
 
     import torch
 
-    from optimum_ipex_spec import compiled_step
+    from optimum_ipex_spec.backends.pytorch import compiled_step
 
     model, _ = load(what, True)
     steps = {True: model.runner.step}
@@ -154,7 +156,7 @@ def time_steps(what: str, context: int, rounds: int) -> None:
 
 def probe_shape(shape: str, padding: bool) -> dict:
     """Compile one shape's fp32 graphs (both) and check them; the row of the table."""
-    from optimum_ipex_spec import compiled_step
+    from optimum_ipex_spec.backends.pytorch import compiled_step
 
     hidden, heads, kv_heads, layers, vocab = (int(x) for x in shape.split("x"))
     model, seconds = load(shape, padding)

@@ -1,7 +1,8 @@
 """`make bench-compile`: the pure-PyTorch path with ``torch_compile=True`` (issue 16), SmolLM2-135M, torch-current lane.
 
 One process holds, per dtype, stock transformers (its default dynamic cache, and ``cache_implementation="static"``),
-our eager decoder and our compiled one (its 1-token graph); in fp32 also the compiled target (its 4-token graph compiled ahead)
+our eager decoder and our compiled one (its 1-token graph); in fp32 also the compiled target (its 4-token graph compiled
+ahead)
 with a compiled bf16 self-draft (``self_draft(torch_compile=True)``) and a compiled int8 self-draft
 (``self_draft(weights="int8", torch_compile=True)``). Every
 round runs each prompt through every configuration, interleaved; per prompt the median over rounds of decode
@@ -195,7 +196,8 @@ def render(result) -> str:
         "",
         "Notes:",
         "- `ours compiled` loads in the time Inductor takes to compile its graphs (freezing, max-autotune over its C++ "
-        "GEMM templates; on AVX-512, optimum_ipex_spec.packed_gemm's kernel instead, fp32 and, with AVX512-BF16, bf16; "
+        "GEMM templates; on AVX-512, optimum_ipex_spec.kernels.packed_gemm's kernel instead, fp32 and, with "
+        "AVX512-BF16, bf16; "
         "from torch 2.13 under Inductor's C++ wrapper, whose C++ the first compile of a model's shapes builds, then "
         "cached): "
         "a 1-token graph (plain decoding); a target compiles its 4-token verification graph at its first chunk of "
@@ -221,8 +223,8 @@ def render(result) -> str:
                 + ("a 1-token graph of their own" if chunk["step_rows"] == 1
                    else f"it, padded to {chunk['step_rows']} rows")
                 + (" (it rounds otherwise: chunks ran one token per call)" if chunk["chunk_exact"] is False else "")
-                + {"packed": f"; both graphs' products run optimum_ipex_spec.packed_gemm's {run['dtype']} kernel, "
-                              "on one packed copy of the weights",
+                + {"packed": "; both graphs' products run optimum_ipex_spec.kernels.packed_gemm's "
+                              f"{run['dtype']} kernel, on one packed copy of the weights",
                    "inductor": "; its products run Inductor's GEMM templates"}.get(chunk.get("kernel"), "") + ".")
     if result.get("cpu"):
         lines.append(f"- CPU: {result['cpu']}.")
@@ -244,8 +246,8 @@ def main(argv=None):
     import transformers
     from transformers import AutoTokenizer
 
-    from optimum_ipex_spec.prompts import chat_prompts
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.provision import resolve_model
     from optimum_ipex_spec.utils.import_utils import ipex_status
 
     torch.set_num_threads(args.threads)

@@ -33,7 +33,7 @@ def _pairs(only=None):
     from transformers import AutoTokenizer
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.prompts import chat_prompts, humaneval_prompts, news_articles
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts, humaneval_prompts, news_articles
 
     def wanted(name):
         return only is None or only.lower() in name.lower()

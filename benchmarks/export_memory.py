@@ -5,7 +5,8 @@ process would blur), one thread. Reported in GB:
 
 * ``weights``: bytes of the parameters in the requested dtype (embedding and a tied head counted once);
 * ``load``: RSS after loading (stock ``from_pretrained``; ours ``from_pretrained(export=True)``) minus RSS
-  after the imports (IPEX's included, for ours); ``private``: the same for private memory (Private_Clean + Private_Dirty of
+  after the imports (IPEX's included, for ours); ``private``: the same for private memory (Private_Clean + Private_Dirty
+  of
   ``/proc/self/smaps_rollup``: what is not a shared, file-backed page such as a memory-mapped safetensors file);
 * ``steady``: RSS minus the imports' after 32 greedy tokens; ``peak``: the process's peak RSS (VmHWM) minus the
   imports' RSS; ``seconds``: the load (or export) time.
@@ -56,7 +57,7 @@ def _save(model_name: str, dtype_name: str, folder: str) -> None:
     import torch
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.provisioning.provision import resolve_model
 
     torch.set_num_threads(1)
     IPEXModelForCausalLM.from_pretrained(resolve_model(model_name), export=True,
@@ -71,7 +72,7 @@ def _measure(model_name: str, dtype_name: str, kind: str, folder: str = "") -> d
     from transformers import AutoModelForCausalLM
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.provisioning.provision import resolve_model
 
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)

@@ -31,8 +31,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from optimum_ipex_spec import gguf_weights
-    from optimum_ipex_spec.provision import gguf_path
+    from optimum_ipex_spec.backends.pytorch import gguf_weights
+    from optimum_ipex_spec.provisioning.provision import gguf_path
 
     torch.set_num_threads(args.threads)
     path = args.target if args.target.endswith(".gguf") else str(gguf_path(args.target))

@@ -48,7 +48,7 @@ GB = 1 << 30
 
 def bytes_per_token(path: str) -> int:
     """Bytes a one-token decode step reads from the GGUF file: every tensor once, the embedding table one row."""
-    from optimum_ipex_spec.gguf_weights import read_gguf
+    from optimum_ipex_spec.backends.pytorch.gguf_weights import read_gguf
 
     gguf = read_gguf(path)
     total = 0
@@ -95,7 +95,7 @@ def verification_cost(model, rows: int = 4, repeats: int = 5) -> float:
     """The time of our GGUF layers multiplying ``rows`` rows over 1 row (each distinct layer once, medians)."""
     import torch
 
-    from optimum_ipex_spec.gguf_weights import GGUFLinear
+    from optimum_ipex_spec.backends.pytorch.gguf_weights import GGUFLinear
 
     layers = {id(m): m for m in model.model.modules() if isinstance(m, GGUFLinear)}.values()
 
@@ -150,8 +150,8 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.prompts import chat_prompts
-    from optimum_ipex_spec.provision import gguf_path, resolve_model
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.provision import gguf_path, resolve_model
     from optimum_ipex_spec.utils.timing import timed_generate
 
     torch.set_num_threads(args.threads)

@@ -43,8 +43,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from optimum_ipex_spec import gguf_weights
-    from optimum_ipex_spec.provision import gguf_path
+    from optimum_ipex_spec.backends.pytorch import gguf_weights
+    from optimum_ipex_spec.provisioning.provision import gguf_path
 
     torch.set_num_threads(args.threads)
     peak_before = fma_peak_gfma()

@@ -79,8 +79,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.prompts import chat_prompts
-    from optimum_ipex_spec.provision import gguf_path, resolve_model
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.provision import gguf_path, resolve_model
     from optimum_ipex_spec.utils.import_utils import ipex_status
     from optimum_ipex_spec.utils.timing import timed_generate
     from gguf_llamacpp import bytes_per_token

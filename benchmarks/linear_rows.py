@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     import intel_extension_for_pytorch as ipex
     from transformers import AutoConfig
 
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.provisioning.provision import resolve_model
 
     config = AutoConfig.from_pretrained(resolve_model(args.model)).get_text_config()
     plain = torch.nn.Module()  # a container only (ipex.optimize would trace a Sequential into a GraphModule)

@@ -41,8 +41,8 @@ def _one(kind: str, model_name: str, dtype_name: str, backend: str, folder: str)
     from transformers import AutoModelForCausalLM
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.manifest import VERIFIED_DIR_NAME
-    from optimum_ipex_spec.provision import CACHE_ENV, resolve_model
+    from optimum_ipex_spec.loading.manifest import VERIFIED_DIR_NAME
+    from optimum_ipex_spec.provisioning.provision import CACHE_ENV, resolve_model
     from optimum_ipex_spec.utils.import_utils import ipex_status
 
     ipex_status()  # IPEX's import, a cost of the process
@@ -68,7 +68,7 @@ def _one(kind: str, model_name: str, dtype_name: str, backend: str, folder: str)
         model = IPEXModelForCausalLM.from_pretrained(folder)
         assert model.backend == backend, (model.backend, backend)
     elif kind == "archive":
-        from optimum_ipex_spec.exporters.ipex import load_ipex_graphs
+        from optimum_ipex_spec.backends.ipex.export import load_ipex_graphs
 
         load_ipex_graphs(os.path.join(folder, "graphs.pt"))
     else:
@@ -81,8 +81,8 @@ def _prepare(model_name: str, dtype_name: str, backend: str, folder: str, archiv
     import torch
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.exporters.ipex import IPEXGraphs, save_ipex_graphs
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.backends.ipex.export import IPEXGraphs, save_ipex_graphs
+    from optimum_ipex_spec.provisioning.provision import resolve_model
 
     model = IPEXModelForCausalLM.from_pretrained(resolve_model(model_name), export=True,
                                                  torch_dtype=getattr(torch, dtype_name), backend=backend)

@@ -1,4 +1,5 @@
-"""What one pass over a model's matrices costs on optimum_ipex_spec.packed_gemm's kernel, per row count and dtype.
+"""What one pass over a model's matrices costs on optimum_ipex_spec.kernels.packed_gemm's kernel, per row count and
+dtype.
 
 The memory side of the compiled decode step (torch_compile=True): each of the model's projections and its LM head
 (random weights of its config's shapes) multiplied once per pass by ``rows`` rows, through ``PackedLinear`` (the
@@ -30,8 +31,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from transformers import AutoConfig
 
-    from optimum_ipex_spec.packed_gemm import PackedLinear, packed_gemm_available
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.kernels.packed_gemm import PackedLinear, packed_gemm_available
+    from optimum_ipex_spec.provisioning.provision import resolve_model
 
     config = AutoConfig.from_pretrained(resolve_model(args.model)).get_text_config()
     shapes = decoder_shapes(config) * config.num_hidden_layers + [(config.vocab_size, config.hidden_size)]

@@ -62,8 +62,8 @@ def run_target_dtype(args, dtype_name, prompts, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.checkpoint_loading import load_causal_lm
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.loading.checkpoint import load_causal_lm
+    from optimum_ipex_spec.provisioning.provision import resolve_model
     from optimum_ipex_spec.utils.timing import timed_generate
 
     dtype = getattr(torch, dtype_name)
@@ -238,8 +238,8 @@ def main(argv=None) -> int:
     import transformers
     from transformers import AutoTokenizer
 
-    from optimum_ipex_spec.prompts import chat_prompts
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.provision import resolve_model
     from optimum_ipex_spec.utils.import_utils import ipex_status
 
     torch.set_num_threads(args.threads)

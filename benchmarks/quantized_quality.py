@@ -22,7 +22,7 @@ import torch
 def _q4_1_everywhere(folder: str):
     """The int4 model with every matrix in Q4_1 (the alternative ours was chosen against)."""
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec import int4_weights
+    from optimum_ipex_spec.backends.pytorch import int4_weights
 
     original = int4_weights.int4_block
     int4_weights.int4_block = lambda k: original(k) if k % 256 else int4_weights.Q4_1
@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.prompts import chat_prompts
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.provision import resolve_model
 
     folder = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(folder)

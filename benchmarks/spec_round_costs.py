@@ -58,9 +58,9 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from optimum_ipex_spec import IPEXModelForCausalLM
-    from optimum_ipex_spec.compiled_step import CHUNK_ROWS
-    from optimum_ipex_spec.prompts import chat_prompts
-    from optimum_ipex_spec.provision import resolve_model
+    from optimum_ipex_spec.backends.pytorch.compiled_step import CHUNK_ROWS
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.provision import resolve_model
 
     torch.set_num_threads(args.threads)
     load = dict(weights="gguf", gguf_mode=args.mode, torch_compile=True)

@@ -9,7 +9,8 @@ Measured 2026-12-01 (torch 2.13, transformers 5.24): fp32 stock 55 ms, our eager
 47, compiled 80 (78 without freezing; 26 s to compile; logits within 1.2e-4 of eager, not bit-identical); bf16 stock
 50, ours 55, static eager 58, compiled 53 (40 s to compile). A plain compile does not pay on this CPU yet.
 
-What this probe got wrong, found while building optimum_ipex_spec/compiled_step.py (``torch_compile=True``): the
+What this probe got wrong, found while building optimum_ipex_spec/backends/pytorch/compiled_step.py
+(``torch_compile=True``): the
 cache here is one stacked ``[layers, ...]`` tensor, and ``kc[i].index_copy_`` on it made Inductor copy the whole
 cache once per layer (about 20 of the 53-80 ms); per-layer buffers remove that. With them and ``max_autotune``
 (Inductor's AMX bf16 GEMM template wins every projection) a bf16 step takes 25-26 ms against 52 for stock. Inductor
@@ -25,8 +26,8 @@ import torch.nn.functional as F
 
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
-from optimum_ipex_spec.provision import resolve_model
-from optimum_ipex_spec.torch_model import TorchCausalLMDecoder
+from optimum_ipex_spec.provisioning.provision import resolve_model
+from optimum_ipex_spec.backends.pytorch.decoder import TorchCausalLMDecoder
 
 dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
 path = resolve_model("smollm2-135m-instruct")

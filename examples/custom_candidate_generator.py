@@ -2,7 +2,8 @@
 
 Retrieval-style speculation (in the spirit of REST, He et al. 2023, arXiv:2311.08252): the candidates
 are copied from a *reference document* that is not part of the prompt (here: the model's earlier
-answer to a slightly different request), wherever the last tokens of the text so far also occur in it. transformers' two-method interface is all it takes:
+answer to a slightly different request), wherever the last tokens of the text so far also occur in it. transformers'
+two-method interface is all it takes:
 
     get_candidates(input_ids)                      -> (input_ids + proposed tokens, None)
     update_candidate_strategy(input_ids, scores, num_matches)
@@ -21,7 +22,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from _common import chat, compare, setup
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.prompts import humaneval_prompts
+from optimum_ipex_spec.provisioning.prompts import humaneval_prompts
 
 
 class ReferenceLookupCandidateGenerator(CandidateGenerator):

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.prompts import chat_prompts
-from optimum_ipex_spec.provision import resolve_model
+from optimum_ipex_spec.provisioning.prompts import chat_prompts
+from optimum_ipex_spec.provisioning.provision import resolve_model
 from optimum_ipex_spec.utils.timing import timed_generate
 
 

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from _common import chat, compare, setup
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.prompts import humaneval_prompts
+from optimum_ipex_spec.provisioning.prompts import humaneval_prompts
 
 
 def main():

@@ -1,7 +1,7 @@
 """optimum-ipex-spec: fast causal-LM generation and speculative decoding on Intel CPUs with IPEX.
 
 Heavy modules (torch, transformers, IPEX) are imported lazily so that ``optimum-cli --help`` and
-``python -m optimum_ipex_spec.provision --help`` stay fast.
+``python -m optimum_ipex_spec.provisioning.provision --help`` stay fast.
 """
 
 from .version import __version__
@@ -15,7 +15,7 @@ def __getattr__(name):
 
         return IPEXModelForCausalLM
     if name == "IPEXFusedCache":
-        from .cache import IPEXFusedCache
+        from .backends.ipex.cache import IPEXFusedCache
 
         return IPEXFusedCache
     raise AttributeError(f"module 'optimum_ipex_spec' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Every difference between the transformers and IPEX releases we support, as one named function each.
 
-The rest of the package asks these functions and never parses a version itself. Lanes (README): IPEX 2.8 /
+The rest of the package asks these functions and never parses a version itself. Lanes (docs/setup.md): IPEX 2.8 /
 torch 2.8 / transformers 4.51.3, IPEX 2.7, and no IPEX with transformers 5.x.
 """
 

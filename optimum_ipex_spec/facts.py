@@ -25,11 +25,12 @@ BACKENDS = ("auto", "ipex", "torch")
 
 #: how the pure-PyTorch decoder holds its weights: "dense" (the model's dtype), "int8" (weight-only, per-channel
 #: scales, bf16 activations: ``from_pretrained(..., weights="int8")``, ``self_draft(weights="int8")``), "int4"
-#: (quantized at load into ggml Q4_K / Q4_1 blocks, fp32 activations, :mod:`~optimum_ipex_spec.int4_weights`) or
+#: (quantized at load into ggml Q4_K / Q4_1 blocks, fp32 activations,
+#: :mod:`~optimum_ipex_spec.backends.pytorch.int4_weights`) or
 #: "gguf" (a GGUF file's blocks as shipped, fp32 activations: ``from_pretrained(..., weights="gguf")``,
-#: :mod:`~optimum_ipex_spec.gguf_weights`)
+#: :mod:`~optimum_ipex_spec.backends.pytorch.gguf_weights`)
 WEIGHT_FORMATS = ("dense", "int8", "int4", "gguf")
-#: the formats whose projections are :class:`~optimum_ipex_spec.gguf_weights.GGUFLinear` blocks
+#: the formats whose projections are :class:`~optimum_ipex_spec.backends.pytorch.gguf_weights.GGUFLinear` blocks
 BLOCK_WEIGHT_FORMATS = ("int4", "gguf")
 
 #: files of an export folder (besides transformers' config.json / generation_config.json)
@@ -49,14 +50,15 @@ DATA_ONLY_FORMAT_VERSION = 3
 #: attribute set on a transformers model that an export handed to ``ipex.llm.optimize`` (modified in place)
 IPEX_OPTIMIZED_MARK = "_optimum_ipex_spec_optimized"
 
-#: model names that :mod:`optimum_ipex_spec.provision` builds from package-index wheels (accepted wherever a model
+#: model names that :mod:`optimum_ipex_spec.provisioning.provision` builds from package-index wheels (accepted wherever
+#: a model
 #: id is), and their short aliases
 PROVISIONED_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-1.5b-instruct",
                       "qwen2.5-coder-0.5b-instruct")
 MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen-1.5b": "qwen2.5-coder-1.5b-instruct",
                  "qwen-0.5b": "qwen2.5-coder-0.5b-instruct"}
 
-#: the IPEX lane this package is validated on (README, "Version lanes")
+#: the IPEX lane this package is validated on (docs/setup.md, "Version lanes")
 IPEX_PIP_COMMAND = (
     'pip install "torch==2.8.0" "intel-extension-for-pytorch==2.8.0" "transformers==4.51.3"'
     "   # or: pip install 'optimum-ipex-spec[ipex]'"

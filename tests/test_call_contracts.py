@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, T5Config, T5ForConditionalGenerat
 
 from conftest import build_tiny
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec import cost_model as cost_model_module
+from optimum_ipex_spec.speculative import cost_model as cost_model_module
 from test_universal import draft_tokenizer  # noqa: F401  (fixture: a real, different BPE tokenizer)
 
 IDS = torch.tensor([[5, 17, 99, 3, 250, 7, 5, 17]])

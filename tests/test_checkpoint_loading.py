@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from optimum_ipex_spec import checkpoint_loading
-from optimum_ipex_spec.checkpoint_loading import load_causal_lm
+from optimum_ipex_spec.loading import checkpoint as checkpoint_loading
+from optimum_ipex_spec.loading.checkpoint import load_causal_lm
 from optimum_ipex_spec.compat import transformers_major
 
 from conftest import build_tiny

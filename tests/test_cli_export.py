@@ -13,7 +13,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.exporters.cli import ExportError, main_export
+from optimum_ipex_spec.cli.export import ExportError, main_export
 
 CLI = [str(Path(sys.executable).with_name("optimum-cli")), "export", "ipex"]
 

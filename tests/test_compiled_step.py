@@ -1,6 +1,8 @@
-"""``torch_compile=True`` (optimum_ipex_spec.compiled_step): the compiled bf16 one-token step against our eager
+"""``torch_compile=True`` (optimum_ipex_spec.backends.pytorch.compiled_step): the compiled bf16 one-token step against
+our eager
 decoder, crop and capacity changes without recompiling, a compiled bf16 draft that keeps an fp32 target exact, the
-fallback when compiling fails, int8 weights compiled, and clear errors where it does not apply. Each compile of a tiny model takes seconds.
+fallback when compiling fails, int8 weights compiled, and clear errors where it does not apply. Each compile of a tiny
+model takes seconds.
 """
 
 import logging
@@ -12,8 +14,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec import compiled_step, packed_gemm
-from optimum_ipex_spec.packed_gemm import PackedEmbedding, packed_gemm_available
+from optimum_ipex_spec.backends.pytorch import compiled_step
+from optimum_ipex_spec.kernels import packed_gemm
+from optimum_ipex_spec.kernels.packed_gemm import PackedEmbedding, packed_gemm_available
 
 from conftest import build_tiny
 
@@ -180,7 +183,7 @@ def test_a_chunk_graph_that_rounds_otherwise_verifies_token_by_token(tiny_dir, c
         return logits * (1 + 1e-6) if args[0].shape[1] == compiled_step.CHUNK_ROWS else logits
 
     step._compiled = nudged
-    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.compiled_step"):
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.backends.pytorch.compiled_step"):
         assert target.compile_chunk_step()
     assert step.chunk_exact is False and target.runner.verify_rows == 1 and not step.failed
     assert "rounds differently from the 1-token graph" in caplog.text
@@ -265,7 +268,8 @@ def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_stra
     compiled). The kernel's rounding depends on the rows attention reads (masked ones too). A short generation reads
     the whole capacity (bar one row), which generate() sizes for the compiled graphs' padding rows: with a capacity
     that grew at the last tokens, the last 1-3 tokens' logits of this model differed between plain decoding and the
-    other strategies. A long one (500 + 24 tokens) reads the filled rows rounded up to a multiple of the kernel's block of
+    other strategies. A long one (500 + 24 tokens) reads the filled rows rounded up to a multiple of the kernel's block
+    of
     512 keys, 512 and then 1,024 rows here, and no bit changes with the length; nothing recompiles for it."""
     build_tiny("llama", vocab_size=512).save_pretrained(tmp_path)
     target = IPEXModelForCausalLM.from_pretrained(str(tmp_path), export=True, backend="torch", torch_compile=True)
@@ -454,7 +458,7 @@ def test_a_failed_compile_falls_back_to_the_eager_decoder(monkeypatch, caplog, d
         return run
 
     monkeypatch.setattr(compiled_step.torch, "compile", failing_compile)
-    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.compiled_step"):
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.backends.pytorch.compiled_step"):
         model = IPEXModelForCausalLM.from_transformers_model(build_tiny("llama", vocab_size=512).to(torch.bfloat16),
                                                              backend="torch", torch_compile=True)
     assert model.runner.step is None
@@ -632,7 +636,7 @@ def test_a_chunk_graph_that_fails_to_compile_falls_back_to_the_eager_decoder(mon
         raise RuntimeError("C++ compile error")
 
     monkeypatch.setattr(step, "_scratch_run", fail)
-    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.compiled_step"):
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.backends.pytorch.compiled_step"):
         assert not model.compile_chunk_step()
     assert "could not compile the 4-token chunk step" in caplog.text and "C++ compile error" in caplog.text
     assert model.runner.step is None
@@ -645,7 +649,7 @@ def test_a_chunk_graph_that_fails_to_compile_falls_back_to_the_eager_decoder(mon
 def test_each_compiled_model_has_its_own_code_and_recompile_budget():
     """Dynamo's recompile limit (8) counts per code object: each step's forward is its own copy, so a process can
     hold more compiled models than that (the ninth failed before)."""
-    from optimum_ipex_spec.torch_model import TorchCausalLMDecoder
+    from optimum_ipex_spec.backends.pytorch.decoder import TorchCausalLMDecoder
 
     first, second = (compiled_step.CompiledDecodeStep(TorchCausalLMDecoder(
         build_tiny("llama", vocab_size=512).to(torch.bfloat16))) for _ in range(2))
@@ -662,7 +666,7 @@ def test_a_compiled_call_that_fails_hands_over_to_the_eager_decoder(caplog, dens
     compiled.runner.step._compiled = failing
     ids = torch.randint(3, 500, (1, 6))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False)
-    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.compiled_step"):
+    with caplog.at_level(logging.WARNING, logger="optimum_ipex_spec.backends.pytorch.compiled_step"):
         got = compiled.generate(ids, **kwargs)
     assert got.shape[1] == 12 and torch.equal(got, eager.generate(ids, **kwargs))
     assert compiled.runner.step is None and "recompile limit reached" in caplog.text
@@ -674,12 +678,12 @@ def test_bad_input_to_the_compiled_step_is_refused_early(dense_bf16_compile):
     torch._dynamo.utils.counters.clear()
     assert model(torch.tensor([[5]])).logits.shape == (1, 1, 512)  # a cache of capacity 1: no graph of its own
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
-    # the runner refuses them before the step (runners.base.check_token_ids), as every backend does
+    # the runner refuses them before the step (backends.base.check_token_ids), as every backend does
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 512\)"):
         model(torch.tensor([[512]]), past_key_values=model.new_cache(1, 8))
     with pytest.raises(TypeError, match="integer token ids"):
         model(torch.tensor([[5.7]]), past_key_values=model.new_cache(1, 8))
-    from optimum_ipex_spec.torch_cache import PreallocatedKVCache
+    from optimum_ipex_spec.backends.pytorch.cache import PreallocatedKVCache
 
     with pytest.raises(ValueError, match="this cache holds 3 layers"):
         model(torch.tensor([[5]]), past_key_values=PreallocatedKVCache(3, 1, 2, 16, torch.bfloat16, 8))

@@ -1,12 +1,13 @@
-"""The cost model that picks each round's draft length (optimum_ipex_spec.cost_model): its arithmetic, its decisions
+"""The cost model that picks each round's draft length (optimum_ipex_spec.speculative.cost_model): its arithmetic, its
+decisions
 on simulated costs (a fake clock, no timing of real code), when it is on, and that output stays the target's; one
 real run with a draft of random weights, whose proposals are almost never accepted whatever the clock says."""
 
 import pytest
 import torch
 
-from optimum_ipex_spec.cost_model import PROBE_CONTEXT, CostModel, PositionAcceptance, speculate_by_cost
-from optimum_ipex_spec.strategy import Strategy, uses_cost_model
+from optimum_ipex_spec.speculative.cost_model import PROBE_CONTEXT, CostModel, PositionAcceptance, speculate_by_cost
+from optimum_ipex_spec.speculative.strategy import Strategy, uses_cost_model
 
 
 def expected_tokens(alpha, k):

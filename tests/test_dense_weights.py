@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from conftest import build_tiny
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.dense_weights import (
+from optimum_ipex_spec.backends.dense_weights import (
     CHUNK_MAX_ROWS,
     FP32_ONEDNN_MIN_ROWS,
     WIDE_MIN_OUT,
@@ -18,7 +18,8 @@ from optimum_ipex_spec.dense_weights import (
     onednn_available,
     use_dense_kernels,
 )
-from optimum_ipex_spec.torch_model import TorchCausalLMDecoder, kept_positions
+from optimum_ipex_spec.backends.base import kept_positions
+from optimum_ipex_spec.backends.pytorch.decoder import TorchCausalLMDecoder
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -141,7 +142,7 @@ def test_fp32_and_bf16_decoders_match_transformers_with_or_without_onednn(monkey
     F.linear in bf16); without oneDNN (monkeypatched) F.linear serves the fp32 chunk."""
     if available and not onednn_available():
         pytest.skip("this torch build has no oneDNN matmul")
-    monkeypatch.setattr("optimum_ipex_spec.dense_weights.onednn_available", lambda: available)
+    monkeypatch.setattr("optimum_ipex_spec.backends.dense_weights.onednn_available", lambda: available)
     length = CHUNK_MAX_ROWS + 20
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
         model = build_tiny("llama").to(dtype)

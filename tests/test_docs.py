@@ -39,7 +39,7 @@ CLI_EXPORT_COMMAND = f"optimum-cli export ipex --model smollm2-135m-instruct {CL
 #: Commands (comments stripped) that run in well under a second and write nothing outside the temp folder.
 SAFE_BASH = [
     re.compile(r"optimum-cli( export( ipex)?)? --help"),
-    re.compile(r"python -m optimum_ipex_spec\.provision --list"),
+    re.compile(r"python -m optimum_ipex_spec\.provisioning\.provision --list"),
 ]
 #: Commands that are not run here, and what runs them instead.
 NOT_RUN_BASH = {
@@ -47,7 +47,7 @@ NOT_RUN_BASH = {
     "make test": "the whole test suite, this file included",
     CLI_EXPORT_COMMAND: "run (to a temporary folder) by the cli_export_dir fixture of the export-cli.md python test",
     "optimum-cli export ipex --model": "a real export + validation: tests/test_cli_export.py::test_cli_export_real_smollm2",
-    "python -m optimum_ipex_spec.provision smollm2": "provisioning: tests/test_provision.py",
+    "python -m optimum_ipex_spec.provisioning.provision smollm2": "provisioning: tests/test_provision.py",
     "make provision": "provisioning: tests/test_provision.py",
     "pip install": "changes the environment",
     "python benchmarks/export_memory.py": "measures for minutes in fresh processes; its figures are in docs/memory.md",
@@ -118,7 +118,7 @@ def test_python_blocks_run(path, tmp_path, request):
     for line, code in blocks(path, "python"):
         for placeholder, replacement in PLACEHOLDERS.items():
             if placeholder in code:
-                from optimum_ipex_spec.provision import provision
+                from optimum_ipex_spec.provisioning.provision import provision
 
                 code = code.replace(placeholder, repr(str(provision(replacement))))
         if CLI_EXPORT_DIR in code:

@@ -287,7 +287,7 @@ def test_export_true_on_a_legacy_export_is_refused(ipex_llama, tmp_path):
 
 
 def test_provisioned_name_is_accepted(monkeypatch, tiny_dir):
-    from optimum_ipex_spec import provision
+    from optimum_ipex_spec.provisioning import provision
 
     monkeypatch.setattr(provision, "provision", lambda name, cache_dir=None: tiny_dir("llama"))
     model = IPEXModelForCausalLM.from_pretrained("smollm2-135m-instruct", export=True)
@@ -336,7 +336,7 @@ def test_bf16_without_cpu_support_falls_back_to_torch_and_logs_once(cpu_without_
 
 
 def test_bf16_with_explicit_ipex_without_cpu_support_raises_before_ipex(cpu_without_bf16, ipex_available, tiny_dir):
-    from optimum_ipex_spec.exporters.ipex import export_to_ipex, ipex_converted
+    from optimum_ipex_spec.backends.ipex.export import export_to_ipex, ipex_converted
 
     with pytest.raises(ValueError, match="Use torch_dtype=torch.float32, or backend='auto' or 'torch'") as err:
         IPEXModelForCausalLM.from_pretrained(tiny_dir("llama"), export=True, torch_dtype=torch.bfloat16,

@@ -9,7 +9,7 @@ import torch
 
 from conftest import build_tiny, write_legacy_export
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.exporters.ipex import IPEXGraphs, export_to_ipex, load_ipex_graphs, save_ipex_graphs
+from optimum_ipex_spec.backends.ipex.export import IPEXGraphs, export_to_ipex, load_ipex_graphs, save_ipex_graphs
 
 
 def _storages(module) -> dict:

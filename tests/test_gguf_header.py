@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from optimum_ipex_spec.gguf_header import GGUFError, read_header
+from optimum_ipex_spec.kernels.gguf_header import GGUFError, read_header
 
 TOKENS = [f"tok{i}" for i in range(300)] + ["ünï", ""]
 
@@ -170,7 +170,7 @@ def test_a_missing_file(tmp_path):
 def test_a_long_array_is_stepped_over_under_any_key(tmp_path):
     """A crafted file's array as large as the file would take several times its size as Python objects: past
     MAX_KEPT_ARRAY elements only its length is kept, under any key, nested or not."""
-    from optimum_ipex_spec import gguf_header
+    from optimum_ipex_spec.kernels import gguf_header
 
     n = gguf_header.MAX_KEPT_ARRAY + 1
     big = struct.pack("<IIQ", 9, 0, n) + b"\1" * n

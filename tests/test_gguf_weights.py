@@ -1,4 +1,5 @@
-"""GGUF weights as shipped (``weights="gguf"``, optimum_ipex_spec/gguf_weights.py and csrc/gguf_gemm.cpp).
+"""GGUF weights as shipped (``weights="gguf"``, optimum_ipex_spec/backends/pytorch/gguf_weights.py and
+csrc/gguf_gemm.cpp).
 
 - Each block type: the kernel's values are gguf-py's own dequantization, bit for bit, on random blocks; its products
   give every row the same bits for 1 to 16 rows and for a prefill's many rows; they agree with the dequantized
@@ -17,8 +18,8 @@ import pytest
 import torch
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec import gguf_weights as gw
-from optimum_ipex_spec.gguf_weights import BLOCK_TYPES, GGUFEmbedding, GGUFError, GGUFLinear
+from optimum_ipex_spec.backends.pytorch import gguf_weights as gw
+from optimum_ipex_spec.backends.pytorch.gguf_weights import BLOCK_TYPES, GGUFEmbedding, GGUFError, GGUFLinear
 
 from conftest import speculation_arguments
 
@@ -822,7 +823,7 @@ def test_a_bare_files_config_is_transformers(kernel, tiny_gguf, tmp_path, arch):
     transformers' AutoConfig(gguf_file=) builds, every attribute, a one-element array read as its element too."""
     import transformers
 
-    from optimum_ipex_spec.gguf_loading import config_from_metadata
+    from optimum_ipex_spec.loading.gguf import config_from_metadata
 
     folder = tmp_path / arch
     folder.mkdir()

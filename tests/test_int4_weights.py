@@ -1,4 +1,5 @@
-"""Weights quantized at load from a dense checkpoint (optimum_ipex_spec/int4_weights.py): ``weights="int4"`` (ggml
+"""Weights quantized at load from a dense checkpoint (optimum_ipex_spec/backends/pytorch/int4_weights.py):
+``weights="int4"`` (ggml
 Q4_K / Q4_1 blocks on the GGUF kernels, fp32 activations) and ``weights="int8"`` as a target.
 
 - The quantizers, read back by gguf-py's own dequantization: Q4_1 (gguf-py's) every value within half a step;
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec import gguf_weights as gw
-from optimum_ipex_spec.gguf_weights import GGUFLinear
-from optimum_ipex_spec.int4_weights import Q4_1, Q4_K, int4_block, quantize_int4
+from optimum_ipex_spec.backends.pytorch import gguf_weights as gw
+from optimum_ipex_spec.backends.pytorch.gguf_weights import GGUFLinear
+from optimum_ipex_spec.backends.pytorch.int4_weights import Q4_1, Q4_K, int4_block, quantize_int4
 
 from conftest import FixedProposals, speculation_arguments
 

@@ -1,4 +1,5 @@
-"""Weight-only int8 weights (optimum_ipex_spec.int8_weights) and the int8 self-draft: the matrix product against the
+"""Weight-only int8 weights (optimum_ipex_spec.backends.pytorch.int8_weights) and the int8 self-draft: the matrix
+product against the
 dense one it stands for, the decoder against its dense bf16 twin, losslessness as a draft, and clear errors."""
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.int8_weights import KERNEL_K_MULTIPLE, KERNEL_MAX_ROWS, Int8Weight
-from optimum_ipex_spec.runners import make_runner
+from optimum_ipex_spec.backends.pytorch.int8_weights import KERNEL_K_MULTIPLE, KERNEL_MAX_ROWS, Int8Weight
+from optimum_ipex_spec.backends import make_runner
 
 
 @pytest.mark.parametrize("width", [64, 72])  # the kernel's widths (multiples of 16), and one it gets wrong

@@ -19,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, StoppingCriteria, Stopping
 
 from conftest import FixedProposals, build_tiny
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.torch_cache import GROWTH_ROWS, PreallocatedKVCache
+from optimum_ipex_spec.backends.pytorch.cache import GROWTH_ROWS, PreallocatedKVCache
 from optimum_ipex_spec.utils.import_utils import ipex_status
 
 POSITIONS = 64
@@ -210,7 +210,7 @@ def test_a_cache_that_grows_inside_a_generation_changes_no_bit(prompt_tokens, mo
     several rows at once). Under every strategy the logits of every generated token are the bits of the same
     strategy on a cache allocated whole up front (the decoder reads the filled rows, whatever the capacity), and the
     tokens stock transformers'."""
-    from optimum_ipex_spec.runners import torch_decoder
+    from optimum_ipex_spec.backends.pytorch import runner as torch_decoder
 
     stock = _tiny("torch", positions=4096)
     model = IPEXModelForCausalLM.from_transformers_model(_tiny("torch", positions=4096), backend="torch")
@@ -281,7 +281,7 @@ def test_a_compiled_fp32_target_starts_a_long_generation_small_and_stays_exact(c
     4,000,000 new tokens starts its cache just past that capacity (not 4,000,000 rows) and grows it as the tokens
     come; plain decoding, a draft, prompt lookup and a candidate generator give every generated token the same logits
     bit for bit, and stock transformers' tokens."""
-    from optimum_ipex_spec import compiled_step
+    from optimum_ipex_spec.backends.pytorch import compiled_step
 
     stock = _tiny("torch", positions=1 << 23)
     target = IPEXModelForCausalLM.from_transformers_model(_tiny("torch", positions=1 << 23), backend="torch",

@@ -1,4 +1,5 @@
-"""optimum_ipex_spec.packed_gemm: the packed kernel of the compiled fp32 and bf16 graphs. Its products against F.linear
+"""optimum_ipex_spec.kernels.packed_gemm: the packed kernel of the compiled fp32 and bf16 graphs. Its products against
+F.linear
 (bf16: against the fp32 product of the bf16 operands), every row of a chunk the same bits as that row alone (and, in
 fp32, as Inductor's compiled one-row GEMM), the packed layouts, bad input, and the fallback where it cannot run."""
 
@@ -9,10 +10,12 @@ import torch
 import torch.nn.functional as F
 import torch.utils.cpp_extension
 
-from optimum_ipex_spec import compiled_step, packed_gemm
+from optimum_ipex_spec.backends.pytorch import compiled_step
+
+from optimum_ipex_spec.kernels import packed_gemm
 from optimum_ipex_spec.compat import torch_at_least
-from optimum_ipex_spec.compiled_step import CPP_ONLY_FROM_TORCH
-from optimum_ipex_spec.packed_gemm import (
+from optimum_ipex_spec.backends.pytorch.compiled_step import CPP_ONLY_FROM_TORCH
+from optimum_ipex_spec.kernels.packed_gemm import (
     BLOCK_N,
     PackedEmbedding,
     PackedLinear,

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.runners import ipex_graphs
+from optimum_ipex_spec.backends.ipex import runner as ipex_graphs
 
 ARCHS = ["llama", "qwen2", "mistral"]
 

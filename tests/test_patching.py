@@ -10,8 +10,10 @@ import transformers.generation.candidate_generator as candidate_generator
 import transformers.generation.utils as generation_utils
 from transformers import AutoModelForCausalLM, DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from optimum_ipex_spec import IPEXFusedCache, IPEXModelForCausalLM, patching
-from optimum_ipex_spec.patching import Patch, PatchManager, UnsupportedIPEXVersionError
+from optimum_ipex_spec import IPEXFusedCache, IPEXModelForCausalLM
+
+from optimum_ipex_spec.backends.ipex import patching
+from optimum_ipex_spec.backends.ipex.patching import Patch, PatchManager, UnsupportedIPEXVersionError
 
 
 def _snapshot():

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, NoBadWordsLogitsProcessor
 
 from conftest import build_tiny, exact_two_token_distributions
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.candidates import AdaptivePromptLookupCandidateGenerator
+from optimum_ipex_spec.speculative.candidates import AdaptivePromptLookupCandidateGenerator
 
 REPETITIVE = "def add(a, b):\n    return a + b\n\n" * 4 + "def sub(a, b):\n    return a - b\n\ndef add(a, b):"
 
@@ -141,7 +141,7 @@ def test_budget_caps_candidates():
 
 @pytest.mark.slow
 def test_real_smollm2_code_edit(smollm2_dir, tokenizer):
-    from optimum_ipex_spec.prompts import humaneval_prompts
+    from optimum_ipex_spec.provisioning.prompts import humaneval_prompts
 
     code = humaneval_prompts((0,))[0]
     message = f"Rename the function to `check` and return the whole code.\n\n```python\n{code}```"

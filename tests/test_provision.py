@@ -9,7 +9,7 @@ import transformers
 
 from conftest import REAL_MODELS
 from optimum_ipex_spec.compat import transformers_major
-from optimum_ipex_spec import provision as prov
+from optimum_ipex_spec.provisioning import provision as prov
 
 
 def _fake_spec(tmp_path, calls):

@@ -10,7 +10,7 @@ import transformers
 
 from optimum_ipex_spec.compat import transformers_major
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.prompts import chatterbot_questions, humaneval_prompts, news_articles
+from optimum_ipex_spec.provisioning.prompts import chatterbot_questions, humaneval_prompts, news_articles
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import torch
 import transformers
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.gguf_weights import GGUFLinear
-from optimum_ipex_spec.prompts import chat_prompts
+from optimum_ipex_spec.backends.pytorch.gguf_weights import GGUFLinear
+from optimum_ipex_spec.provisioning.prompts import chat_prompts
 
 from conftest import provisioned
 
@@ -95,7 +95,7 @@ def test_speculation_over_the_fast_mode_is_lossless(qwen_gguf, kind):
     """The fast mode on the real file (its Q5_0 / Q8_0 / Q4_K / Q6_K layers interleaved, 16 rows at a time, with
     AVX512-VNNI or AVX2), the untied embedding table row-major; a draft's verification returns the fast
     target's own greedy tokens."""
-    from optimum_ipex_spec.gguf_weights import fast_kernel
+    from optimum_ipex_spec.backends.pytorch.gguf_weights import fast_kernel
 
     if fast_kernel() is None:
         pytest.skip("the fast GGUF mode needs AVX2 (or AVX512-VNNI) and a C++ compiler here")
@@ -138,9 +138,9 @@ def test_the_files_header_and_config_are_gguf_pys_and_transformers(key):
 
     import gguf
 
-    from optimum_ipex_spec.gguf_header import read_header
-    from optimum_ipex_spec.gguf_loading import config_from_metadata
-    from optimum_ipex_spec.gguf_weights import read_gguf
+    from optimum_ipex_spec.kernels.gguf_header import read_header
+    from optimum_ipex_spec.loading.gguf import config_from_metadata
+    from optimum_ipex_spec.backends.pytorch.gguf_weights import read_gguf
 
     path = str(provisioned(key))
     header, reader = read_header(path), gguf.GGUFReader(path, "r")

@@ -12,8 +12,8 @@ import torch
 import transformers
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.gguf_weights import GGUFLinear
-from optimum_ipex_spec.prompts import chat_prompts
+from optimum_ipex_spec.backends.pytorch.gguf_weights import GGUFLinear
+from optimum_ipex_spec.provisioning.prompts import chat_prompts
 
 from conftest import provisioned
 

@@ -12,7 +12,7 @@ import transformers
 
 from optimum_ipex_spec.compat import transformers_major
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.prompts import chat_prompts
+from optimum_ipex_spec.provisioning.prompts import chat_prompts
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import write_legacy_export
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.export_folder import read_export_meta
-from optimum_ipex_spec.exporters.cli import ExportError, main_export
-from optimum_ipex_spec.manifest import ManifestError, write_manifest
+from optimum_ipex_spec.loading.export_folder import read_export_meta
+from optimum_ipex_spec.cli.export import ExportError, main_export
+from optimum_ipex_spec.loading.manifest import ManifestError, write_manifest
 
 BACKENDS = ("torch", "auto")  # "auto": IPEX's graphs in the IPEX lane, our decoder in the lane without IPEX
 
@@ -517,7 +517,7 @@ def test_an_ipex_export_loads_on_our_decoder_where_ipex_is_unusable(tiny_dir, ti
 def test_a_file_verified_before_is_not_hashed_again_until_it_changes(tiny_export, tmp_path, monkeypatch):
     """The second load of an unchanged folder skips the sha256 pass (this machine's record of the verified file);
     a change to the file, even with its size kept, is hashed again and refused."""
-    from optimum_ipex_spec import manifest
+    from optimum_ipex_spec.loading import manifest
 
     monkeypatch.setenv("OPTIMUM_IPEX_SPEC_CACHE", str(tmp_path / "cache"))
     folder = tiny_export()

@@ -1,4 +1,5 @@
-"""A self-draft fills its KV cache from the target's (optimum_ipex_spec/shared_kv.py): the rows it copies give the
+"""A self-draft fills its KV cache from the target's (optimum_ipex_spec/speculative/shared_kv.py): the rows it copies
+give the
 logits its own prefill gives, every pairing stays token-identical to the target alone, and only drafts of the
 target's own checkpoint share."""
 
@@ -11,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from conftest import build_tiny
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.cache import IPEXFusedCache
-from optimum_ipex_spec.shared_kv import copy_rows, has_buffers, shares_target_kv
-from optimum_ipex_spec.torch_cache import PreallocatedKVCache
+from optimum_ipex_spec.backends.ipex.cache import IPEXFusedCache
+from optimum_ipex_spec.speculative.shared_kv import copy_rows, has_buffers, shares_target_kv
+from optimum_ipex_spec.backends.pytorch.cache import PreallocatedKVCache
 
 #: backend="auto" is IPEX's graphs where IPEX runs (the ipex28 lane) and the pure-PyTorch path elsewhere
 BACKENDS = ["auto", "torch"]
@@ -121,7 +122,7 @@ def test_a_sharing_draft_holds_the_whole_context_from_the_start(backend, tiny_di
     """The cost model's context window is for drafts that compute their own cache: a sharing draft copies the
     whole prompt on its first round (no window, nothing to restart when the model chooses to draft, which is forced
     here). Output is stock greedy's."""
-    from optimum_ipex_spec.cost_model import PROBE_CONTEXT, CostModel
+    from optimum_ipex_spec.speculative.cost_model import PROBE_CONTEXT, CostModel
 
     monkeypatch.setattr(CostModel, "best_k", lambda self: 4)
     path = tiny_dir("llama")
@@ -191,7 +192,7 @@ def test_a_hub_ids_revision_and_subfolder_survive_save_and_load(tiny_dir, tmp_pa
     re-export hint names them; the loaded export reads its weights (self_draft() too) from its own folder."""
     import json
 
-    from optimum_ipex_spec.export_folder import read_export_meta, reexport_hint
+    from optimum_ipex_spec.loading.export_folder import read_export_meta, reexport_hint
 
     options = {"revision": "v2", "subfolder": "base"}
     model = IPEXModelForCausalLM.from_transformers_model(AutoModelForCausalLM.from_pretrained(tiny_dir("llama")),

@@ -7,8 +7,14 @@ import torch
 from transformers import LlamaConfig
 
 from conftest import FixedProposals
-from optimum_ipex_spec.runners.ipex_graphs import IPEXGraphRunner
-from optimum_ipex_spec.strategy import GenerationRequest, Strategy, current_request, request_scope, select_strategy
+from optimum_ipex_spec.backends.ipex.runner import IPEXGraphRunner
+from optimum_ipex_spec.speculative.strategy import (
+    GenerationRequest,
+    Strategy,
+    current_request,
+    request_scope,
+    select_strategy,
+)
 
 _FACTS = ("custom", "has_draft", "draft_can_run_ours", "do_sample", "different_tokenizers", "prompt_lookup",
           "early_exit")

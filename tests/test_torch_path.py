@@ -12,8 +12,8 @@ import transformers
 from conftest import build_tiny
 from optimum_ipex_spec.compat import transformers_major
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.torch_cache import PreallocatedKVCache
-from optimum_ipex_spec.torch_model import TorchCausalLMDecoder
+from optimum_ipex_spec.backends.pytorch.cache import PreallocatedKVCache
+from optimum_ipex_spec.backends.pytorch.decoder import TorchCausalLMDecoder
 
 TRANSFORMERS_MAJOR = transformers_major()
 
@@ -143,8 +143,8 @@ def test_a_qwen2_that_slides_only_some_layers_runs_on_transformers_forward():
     layers, so such a model is not ours to run: transformers' forward gives its logits."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from optimum_ipex_spec.runners import EagerRunner
-    from optimum_ipex_spec.torch_model import TorchCausalLMDecoder, layer_windows
+    from optimum_ipex_spec.backends import EagerRunner
+    from optimum_ipex_spec.backends.pytorch.decoder import TorchCausalLMDecoder, layer_windows
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -36,7 +36,7 @@ TEXTS = [
 def draft_tokenizer():
     from tokenizers import ByteLevelBPETokenizer
 
-    from optimum_ipex_spec.prompts import chatterbot_questions, humaneval_prompts
+    from optimum_ipex_spec.provisioning.prompts import chatterbot_questions, humaneval_prompts
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(humaneval_prompts(tuple(range(60))) + chatterbot_questions(per_file=50),

@@ -15,6 +15,16 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
+#: the environment variable naming the models' cache folder (provisioned folders, verified digests)
+CACHE_ENV = "OPTIMUM_IPEX_SPEC_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """``$OPTIMUM_IPEX_SPEC_CACHE`` or ``~/.cache/optimum_ipex_spec/models``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "optimum_ipex_spec" / "models"
+
+
 def looks_like_local_path(model_id: str) -> bool:
     """Hub ids are ``name`` or ``org/name``; anything rooted or deeper is meant as a folder."""
     return model_id.startswith((".", "/", "~")) or model_id.count("/") > 1

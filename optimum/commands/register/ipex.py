@@ -2,6 +2,6 @@
 # Kept import-light: the command module imports torch/transformers only inside run().
 from optimum.commands.export.base import ExportCommand
 
-from optimum_ipex_spec.commands.export_ipex import IPEXExportCommand
+from optimum_ipex_spec.cli.export_ipex import IPEXExportCommand
 
 REGISTER_COMMANDS = [(IPEXExportCommand, ExportCommand)]
