@@ -11,8 +11,8 @@ Two parts, on ``--threads`` threads (1 by default; the kernel's rounding depends
 2. Tiny seeded Llama models compiled in fp32 (``torch_compile=True``; tens of seconds each), their 4-token graph
    compiled and checked (``model.compile_chunk_step()``): ``chunk_exact`` and the kernel, with the step's query rows
    padded to a multiple of 4 where the kernel needs it
-   (:func:`optimum_ipex_spec.backends.pytorch.compiled_step.attention_query_rows`,
-   decided at load by :func:`~optimum_ipex_spec.backends.pytorch.compiled_step.attention_rows_round_alike`) and, with
+   (:func:`optimum_ipex_spec.backends.pytorch.compiled_step.attention_query_rows`, decided at load by
+   :func:`~optimum_ipex_spec.backends.pytorch.compiled_step.attention_rows_round_alike`) and, with
    ``--without-padding``, never (the code before the fix).
 
 Usage (torch-current lane)::

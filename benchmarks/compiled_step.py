@@ -2,13 +2,11 @@
 
 One process holds, per dtype, stock transformers (its default dynamic cache, and ``cache_implementation="static"``),
 our eager decoder and our compiled one (its 1-token graph); in fp32 also the compiled target (its 4-token graph compiled
-ahead)
-with a compiled bf16 self-draft (``self_draft(torch_compile=True)``) and a compiled int8 self-draft
-(``self_draft(weights="int8", torch_compile=True)``). Every
-round runs each prompt through every configuration, interleaved; per prompt the median over rounds of decode
-tokens/s and time to first token, ratios per prompt, then the median over prompts. Output is compared token by token
-with stock of the same dtype. Memory: the process's RSS growth while loading each model (and its compile), and the
-peak (VmHWM) at the end.
+ahead) with a compiled bf16 self-draft (``self_draft(torch_compile=True)``) and a compiled int8 self-draft
+(``self_draft(weights="int8", torch_compile=True)``). Every round runs each prompt through every configuration,
+interleaved; per prompt the median over rounds of decode tokens/s and time to first token, ratios per prompt, then the
+median over prompts. Output is compared token by token with stock of the same dtype. Memory: the process's RSS growth
+while loading each model (and its compile), and the peak (VmHWM) at the end.
 
 Usage::
 

@@ -6,8 +6,7 @@ process would blur), one thread. Reported in GB:
 * ``weights``: bytes of the parameters in the requested dtype (embedding and a tied head counted once);
 * ``load``: RSS after loading (stock ``from_pretrained``; ours ``from_pretrained(export=True)``) minus RSS
   after the imports (IPEX's included, for ours); ``private``: the same for private memory (Private_Clean + Private_Dirty
-  of
-  ``/proc/self/smaps_rollup``: what is not a shared, file-backed page such as a memory-mapped safetensors file);
+  of ``/proc/self/smaps_rollup``: what is not a shared, file-backed page such as a memory-mapped safetensors file);
 * ``steady``: RSS minus the imports' after 32 greedy tokens; ``peak``: the process's peak RSS (VmHWM) minus the
   imports' RSS; ``seconds``: the load (or export) time.
 

@@ -10,12 +10,11 @@ Measured 2026-12-01 (torch 2.13, transformers 5.24): fp32 stock 55 ms, our eager
 50, ours 55, static eager 58, compiled 53 (40 s to compile). A plain compile does not pay on this CPU yet.
 
 What this probe got wrong, found while building optimum_ipex_spec/backends/pytorch/compiled_step.py
-(``torch_compile=True``): the
-cache here is one stacked ``[layers, ...]`` tensor, and ``kc[i].index_copy_`` on it made Inductor copy the whole
-cache once per layer (about 20 of the 53-80 ms); per-layer buffers remove that. With them and ``max_autotune``
-(Inductor's AMX bf16 GEMM template wins every projection) a bf16 step takes 25-26 ms against 52 for stock. Inductor
-settings must be set on ``torch._inductor.config`` around the compiling call: passed as ``torch.compile(options=...)``
-freezing did not take effect here.
+(``torch_compile=True``): the cache here is one stacked ``[layers, ...]`` tensor, and ``kc[i].index_copy_`` on it made
+Inductor copy the whole cache once per layer (about 20 of the 53-80 ms); per-layer buffers remove that. With them and
+``max_autotune`` (Inductor's AMX bf16 GEMM template wins every projection) a bf16 step takes 25-26 ms against 52 for
+stock. Inductor settings must be set on ``torch._inductor.config`` around the compiling call: passed as
+``torch.compile(options=...)`` freezing did not take effect here.
 """
 import statistics
 import sys

@@ -51,8 +51,7 @@ DATA_ONLY_FORMAT_VERSION = 3
 IPEX_OPTIMIZED_MARK = "_optimum_ipex_spec_optimized"
 
 #: model names that :mod:`optimum_ipex_spec.provisioning.provision` builds from package-index wheels (accepted wherever
-#: a model
-#: id is), and their short aliases
+#: a model id is), and their short aliases
 PROVISIONED_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-1.5b-instruct",
                       "qwen2.5-coder-0.5b-instruct")
 MODEL_ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "qwen-1.5b": "qwen2.5-coder-1.5b-instruct",

@@ -137,8 +137,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         last_strategy: the :class:`~optimum_ipex_spec.speculative.strategy.Strategy` value of the last assisted
             ``generate()`` this model was the target of ("draft", "prompt-lookup", ...), else None.
         last_cost_model: the :class:`~optimum_ipex_spec.speculative.cost_model.CostModel` that chose the draft lengths
-        of the
-            last assisted ``generate()`` with a draft model (``.report()``: its measurements), else None.
+            of the last assisted ``generate()`` with a draft model (``.report()``: its measurements), else None.
         share_target_kv: as a draft of a target exported from the same checkpoint (``self_draft()``), fill this
             model's KV cache from the target's instead of running its own prefill and catch-up
             (:mod:`~optimum_ipex_spec.speculative.shared_kv`; default True; set False to draft from its own cache).
@@ -342,8 +341,7 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
 
     def new_cache(self, batch_size: int = 1, capacity: int = 256):
         """An empty KV cache for this model's forward: :class:`~optimum_ipex_spec.backends.ipex.cache.IPEXFusedCache`
-        (IPEX
-        backend) or :class:`~optimum_ipex_spec.backends.pytorch.cache.PreallocatedKVCache` (PyTorch path).
+        (IPEX backend) or :class:`~optimum_ipex_spec.backends.pytorch.cache.PreallocatedKVCache` (PyTorch path).
 
         Raises:
             NotImplementedError: an architecture that runs transformers' own forward (use its ``DynamicCache``).
@@ -354,9 +352,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         """Forget the round times that this target's sampling calls with a draft or prompt lookup decide their draft
         lengths on (measured once per draft by the first such call, so that a seed gives the same output on every
         call: :class:`~optimum_ipex_spec.speculative.cost_model.SamplingTimes`); the next sampling call measures them
-        again. For
-        after a change of thread count or machine load, or a first call that ran slowed down (its lengths then stay
-        short, or off, for every later call). Outputs of seeded calls before and after may differ."""
+        again. For after a change of thread count or machine load, or a first call that ran slowed down (its lengths
+        then stay short, or off, for every later call). Outputs of seeded calls before and after may differ."""
         self._sampling_times.clear()
 
     def compile_chunk_step(self) -> bool:
@@ -414,8 +411,8 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         (:func:`~optimum_ipex_spec.speculative.strategy.select_strategy`),
         cut at the first point where a stopping criterion of the call stops
         (:func:`~optimum_ipex_spec.speculative.candidates.cut_at_stopping_point`): no proposal reaches past
-        ``max_new_tokens``,
-        EOS, ``stop_strings``, ``max_time`` or a user ``StoppingCriteria``, so the output is plain decoding's.
+        ``max_new_tokens``, EOS, ``stop_strings``, ``max_time`` or a user ``StoppingCriteria``, so the output is plain
+        decoding's.
 
         transformers 4.x and 5.x both call this with keyword arguments (their positional orders differ)."""
         request = current_request() or GenerationRequest()
@@ -713,18 +710,15 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         The same checkpoint loaded again in ``torch_dtype`` (default bf16), exported like the target
         (``weights="dense"``), or held as weight-only int8 with bf16 activations on our pure-PyTorch decoder
         (``weights="int8"``: PyTorch's own int8 CPU kernel, :mod:`~optimum_ipex_spec.backends.pytorch.int8_weights`; a
-        quarter of
-        the fp32 weight bytes, built in seconds, not saved by ``save_pretrained``), or as int4 blocks with fp32
-        activations (``weights="int4"``, :mod:`~optimum_ipex_spec.backends.pytorch.int4_weights`, the kernels' fast mode
-        where the CPU
-        has AVX512-VNNI: 0.14-0.16x the fp32 bytes; ``torch_dtype`` is then fp32). Same tokenizer, so plain
-        assisted generation applies; output stays the target's (every draft token is verified). Measured on
+        quarter of the fp32 weight bytes, built in seconds, not saved by ``save_pretrained``), or as int4 blocks with
+        fp32 activations (``weights="int4"``, :mod:`~optimum_ipex_spec.backends.pytorch.int4_weights`, the kernels' fast
+        mode where the CPU has AVX512-VNNI: 0.14-0.16x the fp32 bytes; ``torch_dtype`` is then fp32). Same tokenizer, so
+        plain assisted generation applies; output stays the target's (every draft token is verified). Measured on
         SmolLM2-135M (docs/benchmarks.md): the bf16 copy agrees with the fp32 target's next token ~99% of the time;
         which copy is the cheaper draft on a machine is measured by ``make bench`` (self-draft section).
-        ``torch_compile=True`` (pure-PyTorch path) compiles the draft's steps, as :meth:`from_pretrained` does.
-        As a draft of this model the copy runs no prefill or catch-up of its own: it copies the KV rows it lacks from
-        this model's cache (:mod:`~optimum_ipex_spec.speculative.shared_kv`; ``draft.share_target_kv = False`` turns it
-        off).
+        ``torch_compile=True`` (pure-PyTorch path) compiles the draft's steps, as :meth:`from_pretrained` does. As a
+        draft of this model the copy runs no prefill or catch-up of its own: it copies the KV rows it lacks from this
+        model's cache (:mod:`~optimum_ipex_spec.speculative.shared_kv`; ``draft.share_target_kv = False`` turns it off).
 
         Raises:
             ValueError: the model was not exported from a checkpoint path or id (``source`` unknown); a dense copy
@@ -798,12 +792,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
             torch_compile: on the pure-PyTorch path (fp32 or bf16), compile the one-token decode step and the
                 4-token verification step with ``torch.compile`` (Inductor's C++ GEMM templates; on AVX-512 our
                 packed kernel, fp32 and, with AVX512-BF16, bf16, :mod:`~optimum_ipex_spec.kernels.packed_gemm`: one
-                packed
-                copy of the weights for both graphs, and in fp32 the only copy, the model's own released;
+                packed copy of the weights for both graphs, and in fp32 the only copy, the model's own released;
                 :mod:`~optimum_ipex_spec.backends.pytorch.compiled_step`): SmolLM2-135M decodes x1.87 (fp32) / x3.70
-                (bf16) faster
-                than stock here. Compiling takes up to a minute per graph (the verification graph at the first
-                chunk of draft tokens; autotuning cached on disk by Inductor); if it fails the eager decoder runs,
+                (bf16) faster than stock here. Compiling takes up to a minute per graph (the verification graph at the
+                first chunk of draft tokens; autotuning cached on disk by Inductor); if it fails the eager decoder runs,
                 logged. Default False.
             trust_torchscript: load an export of format 1 or 2, whose ``ipex_model.pt`` is a TorchScript program
                 that runs code from the folder when loaded: only for a folder you made yourself (docs/security.md).
@@ -864,11 +856,10 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
     def _from_gguf(cls, model_id: str, kwargs: dict) -> "IPEXModelForCausalLM":
         """``from_pretrained`` of a GGUF file's blocks as shipped (:mod:`~optimum_ipex_spec.loading.gguf` finds the
         file and its config; :mod:`~optimum_ipex_spec.backends.pytorch.gguf_weights` maps and multiplies the blocks):
-        our decoder, fp32
-        activations. ``gguf_mode``: "exact" (default: the dequantized weights times fp32 activations, the provisioned
-        fp32 folder's function) or "fast" (activations rounded to int8 per block, AVX512-VNNI integer products, as
-        llama.cpp computes: its own outputs). The model's ``source`` is the config folder when that holds a checkpoint
-        (a provisioned model's fp32 folder): ``self_draft()`` then reads it."""
+        our decoder, fp32 activations. ``gguf_mode``: "exact" (default: the dequantized weights times fp32 activations,
+        the provisioned fp32 folder's function) or "fast" (activations rounded to int8 per block, AVX512-VNNI integer
+        products, as llama.cpp computes: its own outputs). The model's ``source`` is the config folder when that holds a
+        checkpoint (a provisioned model's fp32 folder): ``self_draft()`` then reads it."""
         weights = kwargs.pop("weights", "gguf")
         if weights != "gguf":
             raise ValueError(f"a GGUF file (gguf_file=, a .gguf path, gguf_mode=) is held as shipped (weights='gguf'); "
@@ -1018,10 +1009,9 @@ class IPEXModelForCausalLM(GenerationCompatMixin, OptimizedModel, GenerationMixi
         if you still need the eager model, or want to export it again. ``weights="int8"`` (``backend="torch"``,
         bf16): weight-only int8 on our decoder, releasing ``model``'s projection weights; ``weights="int4"``
         (fp32): int4 blocks (:mod:`~optimum_ipex_spec.backends.pytorch.int4_weights`) replace ``model``'s projections,
-        head and
-        embedding, multiplied in ``gguf_mode`` ("exact", default, or "fast"). ``torch_compile``: as
-        in :meth:`from_pretrained`; in fp32 on the packed kernel ``model``'s projections and head become the packed
-        copies its graphs multiply with (``model`` still runs, on them; each weight held once).
+        head and embedding, multiplied in ``gguf_mode`` ("exact", default, or "fast"). ``torch_compile``: as in
+        :meth:`from_pretrained`; in fp32 on the packed kernel ``model``'s projections and head become the packed copies
+        its graphs multiply with (``model`` still runs, on them; each weight held once).
 
         Raises:
             ValueError: not a causal LM, unsupported dtype or backend; ``model`` was already optimized by IPEX

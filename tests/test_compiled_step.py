@@ -1,8 +1,7 @@
 """``torch_compile=True`` (optimum_ipex_spec.backends.pytorch.compiled_step): the compiled bf16 one-token step against
-our eager
-decoder, crop and capacity changes without recompiling, a compiled bf16 draft that keeps an fp32 target exact, the
-fallback when compiling fails, int8 weights compiled, and clear errors where it does not apply. Each compile of a tiny
-model takes seconds.
+our eager decoder, crop and capacity changes without recompiling, a compiled bf16 draft that keeps an fp32 target exact,
+the fallback when compiling fails, int8 weights compiled, and clear errors where it does not apply. Each compile of a
+tiny model takes seconds.
 """
 
 import logging
@@ -269,8 +268,7 @@ def test_compiled_fp32_target_gives_the_same_logits_bit_for_bit_under_every_stra
     the whole capacity (bar one row), which generate() sizes for the compiled graphs' padding rows: with a capacity
     that grew at the last tokens, the last 1-3 tokens' logits of this model differed between plain decoding and the
     other strategies. A long one (500 + 24 tokens) reads the filled rows rounded up to a multiple of the kernel's block
-    of
-    512 keys, 512 and then 1,024 rows here, and no bit changes with the length; nothing recompiles for it."""
+    of 512 keys, 512 and then 1,024 rows here, and no bit changes with the length; nothing recompiles for it."""
     build_tiny("llama", vocab_size=512).save_pretrained(tmp_path)
     target = IPEXModelForCausalLM.from_pretrained(str(tmp_path), export=True, backend="torch", torch_compile=True)
     assert target.runner.step is not None

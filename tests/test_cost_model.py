@@ -1,7 +1,6 @@
 """The cost model that picks each round's draft length (optimum_ipex_spec.speculative.cost_model): its arithmetic, its
-decisions
-on simulated costs (a fake clock, no timing of real code), when it is on, and that output stays the target's; one
-real run with a draft of random weights, whose proposals are almost never accepted whatever the clock says."""
+decisions on simulated costs (a fake clock, no timing of real code), when it is on, and that output stays the target's;
+one real run with a draft of random weights, whose proposals are almost never accepted whatever the clock says."""
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """Weights quantized at load from a dense checkpoint (optimum_ipex_spec/backends/pytorch/int4_weights.py):
-``weights="int4"`` (ggml
-Q4_K / Q4_1 blocks on the GGUF kernels, fp32 activations) and ``weights="int8"`` as a target.
+``weights="int4"`` (ggml Q4_K / Q4_1 blocks on the GGUF kernels, fp32 activations) and ``weights="int8"`` as a target.
 
 - The quantizers, read back by gguf-py's own dequantization: Q4_1 (gguf-py's) every value within half a step;
   Q4_K (ours) every value within half the super-block's largest step plus its minimum's rounding, and about as close

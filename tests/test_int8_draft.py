@@ -1,6 +1,6 @@
 """Weight-only int8 weights (optimum_ipex_spec.backends.pytorch.int8_weights) and the int8 self-draft: the matrix
-product against the
-dense one it stands for, the decoder against its dense bf16 twin, losslessness as a draft, and clear errors."""
+product against the dense one it stands for, the decoder against its dense bf16 twin, losslessness as a draft, and clear
+errors."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """optimum_ipex_spec.kernels.packed_gemm: the packed kernel of the compiled fp32 and bf16 graphs. Its products against
-F.linear
-(bf16: against the fp32 product of the bf16 operands), every row of a chunk the same bits as that row alone (and, in
-fp32, as Inductor's compiled one-row GEMM), the packed layouts, bad input, and the fallback where it cannot run."""
+F.linear (bf16: against the fp32 product of the bf16 operands), every row of a chunk the same bits as that row alone
+(and, in fp32, as Inductor's compiled one-row GEMM), the packed layouts, bad input, and the fallback where it cannot
+run."""
 
 import logging
 

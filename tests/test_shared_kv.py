@@ -1,6 +1,5 @@
 """A self-draft fills its KV cache from the target's (optimum_ipex_spec/speculative/shared_kv.py): the rows it copies
-give the
-logits its own prefill gives, every pairing stays token-identical to the target alone, and only drafts of the
+give the logits its own prefill gives, every pairing stays token-identical to the target alone, and only drafts of the
 target's own checkpoint share."""
 
 import copy

@@ -4,10 +4,9 @@ Stopping rules: ``max_new_tokens``, ``max_length``, ``min_new_tokens``, EOS (int
 ``StoppingCriteria``, ``max_time``. Candidate sources: an IPEXModelForCausalLM draft (constant schedule, and the cost
 model, whose draft holds a window of the prompt on its first rounds), a transformers draft,
 ``self_draft()``, prompt lookup (under the cost model and gating itself), universal assisted generation (a draft of
-another tokenizer) and a user
-``candidate_generator``. The stopping points are chosen from the target's own greedy tokens so that they fall
-inside a draft block (the drafts over the target's weights propose exactly the target's tokens). Expected values
-come from stock transformers on the same weights, never from the code under test.
+another tokenizer) and a user ``candidate_generator``. The stopping points are chosen from the target's own greedy
+tokens so that they fall inside a draft block (the drafts over the target's weights propose exactly the target's
+tokens). Expected values come from stock transformers on the same weights, never from the code under test.
 """
 
 import copy

@@ -44,8 +44,7 @@ class Runner:
         backend: ``"ipex"`` or ``"torch"`` (what ``IPEXModelForCausalLM.backend`` reports).
         supports_beam_search: whether its cache reorders beams.
         can_draft: whether :class:`~optimum_ipex_spec.speculative.candidates.IPEXDraftCandidateGenerator` can drive it
-        as a
-            draft (it keeps its own cache between rounds).
+            as a draft (it keeps its own cache between rounds).
         uses_transformers_cache: whether transformers' own ``DynamicCache`` is its cache (eager forward).
         vocab_size: token ids must be in ``0 .. vocab_size - 1``.
         token_id_dtypes: the integer dtypes of token ids its forward takes.

@@ -1,18 +1,15 @@
 """A product of a few rows by a packed weight, fp32 or bf16, for the compiled graphs of
 :mod:`~optimum_ipex_spec.backends.pytorch.compiled_step` (its 1-token decode step and its 4-token verification): the
-weight read at
-the memory's speed, each output the same bits for any number of rows, one packed copy for both graphs.
+weight read at the memory's speed, each output the same bits for any number of rows, one packed copy for both graphs.
 
 Speculative decoding verifies :data:`~optimum_ipex_spec.backends.pytorch.compiled_step.CHUNK_ROWS` tokens in one call;
-that pays
-only while 4 rows cost about what 1 does (the weights are read once either way). On an Intel Xeon with AMX (1
-thread, about 12 GB/s from memory) Inductor's fp32 GEMM template read SmolLM2-135M's shapes at 14 GB/s for one row
-but 8.6 GB/s for four (a 1536 x 576 weight: 254 against 411 us), and MKL's at 5.9 GB/s: a 4-token verification
-cost 1.6 decode steps. The same register blocking with a software prefetch of the weight 16 rows of ``k`` ahead
-reads four rows at 12.4 GB/s (285 us; 30 layers of SmolLM2's shapes, compiled: 38.0 ms for 4 rows against Inductor's
-49.3, its 1-row graph 30.9). One row reads two blocks at a time instead, two weight streams without the software
-prefetch, which the hardware prefetcher follows at the memory's speed (Qwen2.5-1.5B's shapes: 15.1-15.9 GB/s, MKL's
-15.3, Inductor's 13.7).
+that pays only while 4 rows cost about what 1 does (the weights are read once either way). On an Intel Xeon with AMX (1
+thread, about 12 GB/s from memory) Inductor's fp32 GEMM template read SmolLM2-135M's shapes at 14 GB/s for one row but
+8.6 GB/s for four (a 1536 x 576 weight: 254 against 411 us), and MKL's at 5.9 GB/s: a 4-token verification cost 1.6
+decode steps. The same register blocking with a software prefetch of the weight 16 rows of ``k`` ahead reads four rows
+at 12.4 GB/s (285 us; 30 layers of SmolLM2's shapes, compiled: 38.0 ms for 4 rows against Inductor's 49.3, its 1-row
+graph 30.9). One row reads two blocks at a time instead, two weight streams without the software prefetch, which the
+hardware prefetcher follows at the memory's speed (Qwen2.5-1.5B's shapes: 15.1-15.9 GB/s, MKL's 15.3, Inductor's 13.7).
 
 Every fp32 output element is one chain of fused multiply-adds over ``k`` in order from zero, as in Inductor's
 ``CppMicroGemmFP32Vec`` (PyTorch, ``torch/_inductor/codegen/cpp_micro_gemm.py``: up to 4 rows x 48 columns of
@@ -20,11 +17,10 @@ accumulators), whatever the number of rows: a token verified in a chunk gets the
 decoded alone. Both graphs then multiply with the same packed copy of the weights, the only one the process holds:
 the runner hands the packed copies to the model
 (:meth:`~optimum_ipex_spec.backends.pytorch.decoder.TorchCausalLMDecoder.adopt_packed_layer`: its prefill and
-transformers'
-forward multiply with them too, fp32 32-512 rows within 5% of ``F.linear``; a tied input embedding reads the head's
-rows, :class:`PackedEmbedding`) and releases its own (Inductor's GEMM templates kept one per graph beside the
-model's: a 1.5B target held its weights three times). The compiled step still checks the
-two graphs against each other on the machine that runs them
+transformers' forward multiply with them too, fp32 32-512 rows within 5% of ``F.linear``; a tied input embedding reads
+the head's rows, :class:`PackedEmbedding`) and releases its own (Inductor's GEMM templates kept one per graph beside the
+model's: a 1.5B target held its weights three times). The compiled step still checks the two graphs against each other
+on the machine that runs them
 (:meth:`~optimum_ipex_spec.backends.pytorch.compiled_step.CompiledDecodeStep.compile_chunk`).
 
 bf16 (with AVX512-BF16) keeps each block's pairs of ``k`` side by side per column, the operand of ``vdpbf16ps``

@@ -1,7 +1,6 @@
 """Reading and writing an export folder's own files: ``ipex_export.json`` (what was exported, with which
 versions, and the model facts the export was built for), the manifest (:mod:`~optimum_ipex_spec.loading.manifest`), and
-the
-TorchScript archives of export formats 1 and 2. transformers' ``config.json`` / ``generation_config.json`` and the
+the TorchScript archives of export formats 1 and 2. transformers' ``config.json`` / ``generation_config.json`` and the
 weights (safetensors, both backends, format 3) are written by transformers.
 
 A folder is untrusted input: format 3 holds data only, and loading checks it before reading it
@@ -257,11 +256,9 @@ def is_data_only(meta: dict) -> bool:
 def check_export_files(folder: str, model_id: str) -> Optional[HashCheck]:
     """Before anything else of a folder is read (its config.json too): when it holds an export with a manifest, check
     every file against it (:func:`~optimum_ipex_spec.loading.manifest.check_folder`; whatever format the folder claims):
-    all
-    of them now but the sha256 of the weights, which runs while the load reads them (returned: pass it to
+    all of them now but the sha256 of the weights, which runs while the load reads them (returned: pass it to
     :func:`~optimum_ipex_spec.loading.manifest.checked_while_loading` around the load); then the weight files
-    transformers
-    will read (:func:`weight_files`) and config.json (no remote code). Other folders are left alone (None).
+    transformers will read (:func:`weight_files`) and config.json (no remote code). Other folders are left alone (None).
 
     Raises:
         ManifestError (a ``ValueError``): a file missing, changed, added or linked out of the folder, or no manifest

@@ -114,8 +114,7 @@ def config_from_metadata(gguf):
 
     transformers reads the same metadata with gguf-py's reader, which spends about 9 s on a 151,936-token vocabulary;
     our header reader steps over it (:mod:`~optimum_ipex_spec.kernels.gguf_header`). A test compares both configs on
-    every
-    provisioned file."""
+    every provisioned file."""
     from transformers import AutoConfig
 
     from ..compat import gguf_config_mapping

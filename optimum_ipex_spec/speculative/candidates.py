@@ -72,20 +72,17 @@ class IPEXDraftCandidateGenerator(AssistedCandidateGenerator):
     the last ``W`` tokens instead of running everything it lacks (positions count from the window's start; keys carry
     relative rotary positions, so a window is a shorter context, not a shifted one). The cost model
     (:func:`~optimum_ipex_spec.speculative.cost_model.speculate_by_cost`) sets it while it only measures whether the
-    draft pays,
-    and clears it (``context_window = None``: the whole context) once it chooses to draft; the next call then runs
-    the whole context once (:attr:`restarts_context`). A useless draft so never pays for its prefill of the prompt.
-    Proposals change, the output does not.
+    draft pays, and clears it (``context_window = None``: the whole context) once it chooses to draft; the next call
+    then runs the whole context once (:attr:`restarts_context`). A useless draft so never pays for its prefill of the
+    prompt. Proposals change, the output does not.
 
     Args:
         target_cache: the target's cache of this ``generate()`` call (an ``IPEXFusedCache`` or
             ``PreallocatedKVCache``, updated in place by the target), for a draft that shares it
             (:func:`~optimum_ipex_spec.speculative.shared_kv.shares_target_kv`): what the draft lacks of the tokens the
-            target
-            has verified is copied from it (:func:`~optimum_ipex_spec.speculative.shared_kv.copy_rows`), and only the
-            last
-            token runs through the draft; a first call before the target's prefill proposes nothing, whatever the
-            schedule, so that the target prefills alone. None: the draft computes its own cache.
+            target has verified is copied from it (:func:`~optimum_ipex_spec.speculative.shared_kv.copy_rows`), and only
+            the last token runs through the draft; a first call before the target's prefill proposes nothing, whatever
+            the schedule, so that the target prefills alone. None: the draft computes its own cache.
     Other arguments: transformers' ``AssistedCandidateGenerator``'s.
     """
 

@@ -202,10 +202,8 @@ class CostModel:
             1 = one rate for every position, the geometric model).
         verify_rows: the most tokens the target verifies in one forward call when it runs a fixed-size graph (a
             compiled target: :data:`~optimum_ipex_spec.backends.pytorch.compiled_step.CHUNK_ROWS`), or None. With it, a
-            round's cost
-            is its drafting time (linear in the proposals) plus a step function of the target's calls
-            (:meth:`verify_calls`), and exploring rounds come after 6, 18, 42, ... drafting rounds
-            (:meth:`_explored`).
+            round's cost is its drafting time (linear in the proposals) plus a step function of the target's calls
+            (:meth:`verify_calls`), and exploring rounds come after 6, 18, 42, ... drafting rounds (:meth:`_explored`).
         plan_extra: lengths of rounds run (and measured) after the planned start, before the first choice.
         times: measured round times to decide on instead of measuring (:meth:`time_tables` of an earlier model of
             the same target and draft): the model then measures nothing (``times_frozen``), so its lengths depend
@@ -461,9 +459,8 @@ class CostModel:
         on k = 4-5 (x1.80 on a code prompt, x1.94 before; one run each). ``k + 1`` and ``k - 1`` once each,
         because a round's cost need not be linear in its length: a compiled target verifies up to 4 tokens in one
         call (:data:`~optimum_ipex_spec.backends.pytorch.compiled_step.CHUNK_ROWS`), so ``k = 3`` costs a verification
-        no more than
-        ``k = 2``, while the line through ``k = 2`` and ``k = 4`` (5 tokens: two calls) prices it between them and
-        exploring ``2 k`` alone never measured it. Measured (``make bench-compile``: SmolLM2-135M fp32 compiled
+        no more than ``k = 2``, while the line through ``k = 2`` and ``k = 4`` (5 tokens: two calls) prices it between
+        them and exploring ``2 k`` alone never measured it. Measured (``make bench-compile``: SmolLM2-135M fp32 compiled
         target, 1 thread, 3 prompts x 128 tokens): its compiled int8 self-draft x1.80 over the target alone, x1.56
         before; the bf16 one x1.30, x1.29 before (constant ``k = 3``: x1.36-1.50 in a scratch run)."""
         for n in (2 * k, k + 1, k - 1):

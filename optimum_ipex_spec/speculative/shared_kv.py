@@ -17,8 +17,7 @@ Row layouts (batch ``b``, ``kv_heads`` ``h``, ``head_dim`` ``d``, positions ``n`
 
 * :class:`~optimum_ipex_spec.backends.pytorch.cache.PreallocatedKVCache`: ``keys[layer]`` ``[b, h, capacity, d]``;
 * :class:`~optimum_ipex_spec.backends.ipex.cache.IPEXFusedCache`: ``ipex_layers[layer][1]`` ``[capacity, b, h, d]`` (the
-rows the
-  exact verify graph writes, :func:`~optimum_ipex_spec.backends.ipex.export.exact_chunk_attention`).
+  rows the exact verify graph writes, :func:`~optimum_ipex_spec.backends.ipex.export.exact_chunk_attention`).
 
 Both hold post-RoPE keys by absolute position, so row ``i`` of one is row ``i`` of the other.
 """

@@ -73,8 +73,8 @@ class IPEXFusedCache(DynamicCache):
         """Make room for ``positions`` tokens in every layer's key/value buffers, as IPEX's kernel does when a
         forward would pass their end: capacity doubles (or becomes ``positions``), held rows are copied, new
         ``beam_idx`` rows repeat row 0 and its two bookkeeping rows move to the new end. The exact verify graph writes a
-        chunk's keys/values itself and calls no
-        kernel that could grow the buffers, so the runner reserves before it runs.
+        chunk's keys/values itself and calls no kernel that could grow the buffers, so the runner reserves before it
+        runs.
 
         Args:
             positions: tokens the next forward will hold (cached + new).

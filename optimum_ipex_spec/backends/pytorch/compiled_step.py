@@ -24,24 +24,21 @@ graph for both. The 1-token graph pays: on an Intel Xeon with AMX (1 thread, abo
 GEMMs read 4 rows 1.6x slower than 1, and SmolLM2's fp32 step went from 75 ms padded to 48.6 (stock: 63); on an AMD
 EPYC Zen 4 the padding cost 12%. For the same reason both fp32 graphs multiply with
 :mod:`~optimum_ipex_spec.kernels.packed_gemm`'s kernel where it builds (AVX-512): Inductor's register blocking, each
-output
-one chain of fused multiply-adds in order whatever the row count (so a row's bits do not depend on the graph), the
-weight prefetched for 4 rows and read as two streams for 1, from one packed copy that both graphs share (Inductor's
-GEMM templates kept one per graph: a 1.5B target held its weights three times), and in fp32 the model's own weights
-are released for it (:meth:`~optimum_ipex_spec.backends.pytorch.decoder.TorchCausalLMDecoder.adopt_packed_layer`: each
-weight
-held once).
-SmolLM2's 4-token verification costs 45.7 ms against a 42.0 ms step (Inductor's GEMMs: 71 ms), and the graphs
-compile faster (no GEMM to autotune). bf16 graphs multiply with the kernel's bf16 form where the CPU has AVX512-BF16
-(one packed copy for both graphs, which replaces the model's own too where the kernel's prefills run on AMX tiles;
-elsewhere the model keeps its weights for its prefill). Attention must round alike in every call a token can come in
-too, so its length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
-:data:`ATTENTION_BLOCK` rows (generate() then allocates the whole generation's rows and the last call's padding at
-once, so the capacity never grows inside it), else the filled rows rounded up to a multiple of it, the kernel's block,
-where any multiple gives the same bits (:func:`exact_attention_length`): a longer generation's cache starts past that
-capacity and grows with the tokens (:meth:`CompiledDecodeStep.generation_capacities`). bf16 targets are not bit-exact
-anyway (docs/assisted-generation.md). Against the eager decoder both agree to rounding. The prefill stays on the eager
-decoder, as stock's.
+output one chain of fused multiply-adds in order whatever the row count (so a row's bits do not depend on the graph),
+the weight prefetched for 4 rows and read as two streams for 1, from one packed copy that both graphs share (Inductor's
+GEMM templates kept one per graph: a 1.5B target held its weights three times), and in fp32 the model's own weights are
+released for it (:meth:`~optimum_ipex_spec.backends.pytorch.decoder.TorchCausalLMDecoder.adopt_packed_layer`: each
+weight held once). SmolLM2's 4-token verification costs 45.7 ms against a 42.0 ms step (Inductor's GEMMs: 71 ms), and
+the graphs compile faster (no GEMM to autotune). bf16 graphs multiply with the kernel's bf16 form where the CPU has
+AVX512-BF16 (one packed copy for both graphs, which replaces the model's own too where the kernel's prefills run on AMX
+tiles; elsewhere the model keeps its weights for its prefill). Attention must round alike in every call a token can come
+in too, so its length (the cache rows it reads, masked past the token) is the capacity but one row while that is at most
+:data:`ATTENTION_BLOCK` rows (generate() then allocates the whole generation's rows and the last call's padding at once,
+so the capacity never grows inside it), else the filled rows rounded up to a multiple of it, the kernel's block, where
+any multiple gives the same bits (:func:`exact_attention_length`): a longer generation's cache starts past that capacity
+and grows with the tokens (:meth:`CompiledDecodeStep.generation_capacities`). bf16 targets are not bit-exact anyway
+(docs/assisted-generation.md). Against the eager decoder both agree to rounding. The prefill stays on the eager decoder,
+as stock's.
 
 The step is written like pytorch-labs/gpt-fast's: the keys/values of the new token are written in place into
 the :class:`~optimum_ipex_spec.backends.pytorch.cache.PreallocatedKVCache` buffers at the cache's length, and attention
@@ -134,8 +131,7 @@ ATTENTION_ROW_MULTIPLE = 4
 
 #: the exact graphs' own Inductor kernels (norms, rotary, softmax's neighbours; the GEMMs, our GGUF kernels and SDPA
 #: keep their threads) never split a loop between threads (``cpp.min_chunk_size``, the work each thread must get first,
-#: set
-#: beyond any tensor's size). With 2 or more threads Inductor splits a reduction whose outer loops have fewer rows
+#: set beyond any tensor's size). With 2 or more threads Inductor splits a reduction whose outer loops have fewer rows
 #: than threads (a 1-token graph's RMSNorm over a hidden size of 1024 or more) between the threads, which sum their
 #: parts in another order than the 4-token graph, whose rows it splits instead; the check at the chunk graph's compile
 #: then turned verification off (docs/assisted-generation.md, "Inductor's parallel reductions")
@@ -254,8 +250,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T + b`` on a projection's own weight and bias: Inductor picks the kernel (a head that
     :class:`~optimum_ipex_spec.backends.dense_weights.DenseLinear` serves in eager mode is multiplied the same way); a
-    GGUF
-    layer's own kernel, an operator Inductor calls as it is."""
+    GGUF layer's own kernel, an operator Inductor calls as it is."""
     if isinstance(module, GGUFLinear):
         return module(x)
     return F.linear(x, module.weight, module.bias)
@@ -263,8 +258,7 @@ def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class _Int8Projection(torch.nn.Module):
     """An :class:`~optimum_ipex_spec.backends.pytorch.int8_weights.Int8Weight` (its tensors as buffers, not copied) and
-    a bias, as a
-    module Inductor can freeze: ``x [..., in]`` bf16 -> ``[..., out]`` bf16."""
+    a bias, as a module Inductor can freeze: ``x [..., in]`` bf16 -> ``[..., out]`` bf16."""
 
     def __init__(self, weight: Int8Weight, bias: Optional[torch.Tensor] = None):
         super().__init__()
@@ -285,8 +279,7 @@ class _Int8Projection(torch.nn.Module):
 
 class _DecodeStep(torch.nn.Module):
     """Logits ``[1, q, vocab]`` for ``q`` tokens (q static per graph: 1 or :data:`CHUNK_ROWS`), given the model's
-    modules (and, for int8 weights, the decoder's
-    packed matrices) and a cache's per-layer buffers."""
+    modules (and, for int8 weights, the decoder's packed matrices) and a cache's per-layer buffers."""
 
     def __init__(self, model: torch.nn.Module, num_heads: int, kv_heads: int, head_dim: int,
                  sliding_window: Optional[int], int8_layers: Optional[list] = None, int8_head=None):
@@ -305,8 +298,7 @@ class _DecodeStep(torch.nn.Module):
                                      _Int8Projection(down)]) for qkv, bias, o, gate_up, down in int8_layers)
             self.lm_head = _Int8Projection(int8_head)
         #: dense fp32 or bf16 only, from :meth:`pack`: per layer the packed q, k, v, o, gate, up, down projections, and
-        #: the
-        #: head, which every graph traced after it multiplies with (:mod:`~optimum_ipex_spec.kernels.packed_gemm`)
+        #: the head, which every graph traced after it multiplies with (:mod:`~optimum_ipex_spec.kernels.packed_gemm`)
         self.packed: Optional[torch.nn.ModuleList] = None
         self.packed_head: Optional[PackedLinear] = None
 
@@ -315,8 +307,7 @@ class _DecodeStep(torch.nn.Module):
         (:class:`~optimum_ipex_spec.kernels.packed_gemm.PackedLinear`: one
         more copy of the weights, as Inductor's own GEMMs would hold, shared by every graph traced after this). With
         ``adopt`` (a :class:`~optimum_ipex_spec.backends.pytorch.decoder.TorchCausalLMDecoder`) each layer's copies
-        replace the
-        model's own as soon as they are made (``adopt.adopt_packed_layer``, then ``adopt_packed_head``): the
+        replace the model's own as soon as they are made (``adopt.adopt_packed_layer``, then ``adopt_packed_head``): the
         weights are never all held twice."""
         packed = []
         for index, layer in enumerate(self.inner.layers):
@@ -407,17 +398,15 @@ class CompiledDecodeStep:
 
     Args:
         decoder: the :class:`~optimum_ipex_spec.backends.pytorch.decoder.TorchCausalLMDecoder` of an fp32 or bf16 model:
-        its model's
-            modules (dense weights) or its int8 matrices are used, not copied; its attention geometry and window.
+            its model's modules (dense weights) or its int8 matrices are used, not copied; its attention geometry and
+            window.
 
     :meth:`compile` compiles the one-token graph (tens of seconds: SmolLM2-135M about a minute on 1 thread, half that
     in fp32 on the packed kernel; the verification graph, at the first chunk or :meth:`compile_chunk`, 14 s in fp32 on
-    the packed kernel,
-    as long in bf16; the autotuning results are cached on disk, ``TORCHINDUCTOR_CACHE_DIR``, the frozen graph is not:
-    a later process compiles again, faster) and
-    returns False, logging why, when this machine cannot (no C++ compiler, an Inductor error, e.g. for a dynamic
-    rope type): the caller then keeps its eager decoder. Changing ``torch.set_num_threads`` or deterministic
-    algorithms between calls recompiles (seconds to a minute).
+    the packed kernel, as long in bf16; the autotuning results are cached on disk, ``TORCHINDUCTOR_CACHE_DIR``, the
+    frozen graph is not: a later process compiles again, faster) and returns False, logging why, when this machine
+    cannot (no C++ compiler, an Inductor error, e.g. for a dynamic rope type): the caller then keeps its eager decoder.
+    Changing ``torch.set_num_threads`` or deterministic algorithms between calls recompiles (seconds to a minute).
     """
 
     def __init__(self, decoder: TorchCausalLMDecoder):
@@ -516,12 +505,10 @@ class CompiledDecodeStep:
 
     def pack(self, adopt=None) -> bool:
         """Pack the dense weights for :mod:`~optimum_ipex_spec.kernels.packed_gemm`'s kernel (once; fp32 or bf16 with
-        single
-        tokens on a graph of their own, where the kernel builds for the dtype): True when the graphs will multiply
-        with it (:attr:`kernel` ``"packed"``). :meth:`compile` does it first; call it ahead with ``adopt`` (the
+        single tokens on a graph of their own, where the kernel builds for the dtype): True when the graphs will
+        multiply with it (:attr:`kernel` ``"packed"``). :meth:`compile` does it first; call it ahead with ``adopt`` (the
         model's :class:`~optimum_ipex_spec.backends.pytorch.decoder.TorchCausalLMDecoder`) to hand the packed copies to
-        the model,
-        layer by layer, before the graphs are traced (the runner does in fp32)."""
+        the model, layer by layer, before the graphs are traced (the runner does in fp32)."""
         if self.kernel != "packed" and self.dense and self.step_rows == 1 and packed_gemm_available(self.dtype):
             self.module.pack(adopt)
             self.kernel = "packed"

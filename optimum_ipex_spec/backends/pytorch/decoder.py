@@ -172,15 +172,13 @@ class TorchCausalLMDecoder(torch.nn.Module):
     def adopt_packed_layer(self, index: int, modules) -> None:
         """Hold a layer's weights once: decoder layer ``index``'s seven projections become ``modules`` (q, k, v, o,
         gate, up, down :class:`~optimum_ipex_spec.kernels.packed_gemm.PackedLinear`: the packed copies the compiled
-        graphs
-        multiply with), and their own weights are released at once (pages of a memory-mapped checkpoint they viewed
-        leave the RSS too). This decoder (the prefill), the compiled graphs and transformers' forward (which calls the
-        modules) then all multiply with the packed copies; ``save_pretrained`` unpacks them. Measured (1 thread,
-        SmolLM2's shapes), the packed kernel multiplies 32-512 rows within 5% of ``F.linear``'s time in fp32, so a
-        prefill costs what it did. The compiled step calls it a layer at a time as it packs the weights
+        graphs multiply with), and their own weights are released at once (pages of a memory-mapped checkpoint they
+        viewed leave the RSS too). This decoder (the prefill), the compiled graphs and transformers' forward (which
+        calls the modules) then all multiply with the packed copies; ``save_pretrained`` unpacks them. Measured (1
+        thread, SmolLM2's shapes), the packed kernel multiplies 32-512 rows within 5% of ``F.linear``'s time in fp32, so
+        a prefill costs what it did. The compiled step calls it a layer at a time as it packs the weights
         (:meth:`~optimum_ipex_spec.backends.pytorch.compiled_step.CompiledDecodeStep.pack`), so that the peak holds one
-        layer twice,
-        not the model; :meth:`adopt_packed_head` ends it.
+        layer twice, not the model; :meth:`adopt_packed_head` ends it.
 
         Raises:
             ValueError: int8 weights, or not seven modules.
@@ -204,10 +202,8 @@ class TorchCausalLMDecoder(torch.nn.Module):
 
     def adopt_packed_head(self, head: torch.nn.Module) -> None:
         """The LM head becomes ``head`` (a :class:`~optimum_ipex_spec.kernels.packed_gemm.PackedLinear`), and a tied
-        input
-        embedding reads its rows from it (:class:`~optimum_ipex_spec.kernels.packed_gemm.PackedEmbedding`); the
-        parameters
-        left (embedding, norms) get memory of their own, so no mapped checkpoint stays resident."""
+        input embedding reads its rows from it (:class:`~optimum_ipex_spec.kernels.packed_gemm.PackedEmbedding`); the
+        parameters left (embedding, norms) get memory of their own, so no mapped checkpoint stays resident."""
         if _head_is_embedding(self.model):  # the embedding reads the head's packed copy: one copy of the table
             self.model.model.embed_tokens = PackedEmbedding(head)
         self.model.lm_head = head

@@ -22,8 +22,7 @@ The exact kernel has an AVX-512 build and an AVX2 one (``csrc/gguf_gemm_avx2.cpp
 reference (:func:`reference_mm`: gguf-py's dequantization, a bounded number of rows at a time, then ``torch.mv`` per
 row; slow, logged once). The file is untrusted data: its header is parsed as data
 (:mod:`~optimum_ipex_spec.kernels.gguf_header`; no code runs), every tensor's type, shape and byte range is checked
-before
-use (:func:`read_gguf`).
+before use (:func:`read_gguf`).
 """
 
 from __future__ import annotations
@@ -243,8 +242,7 @@ def fast_kernel() -> Optional[str]:
     (``torch.ops.optimum_ipex_spec_gguf_fast_avx2``: the same integer sums), or None, logged once: the fast mode then
     multiplies as the exact one does. Both hold layers of :data:`INTERLEAVED_TYPES` in the interleaved layout, where
     the two give the same bits; on the file's rows (Q5_K, row counts not a multiple of 16) their fp32 sums run in
-    another order. Decided once per process;
-    :data:`KERNEL_VARIABLE` overrides it ("reference": None).
+    another order. Decided once per process; :data:`KERNEL_VARIABLE` overrides it ("reference": None).
 
     Raises:
         ValueError: :data:`KERNEL_VARIABLE` holds an unknown name.
@@ -527,9 +525,8 @@ class GGUFFile:
 
 def read_gguf(path: os.PathLike) -> GGUFFile:
     """Parse ``path``'s header (:func:`~optimum_ipex_spec.kernels.gguf_header.read_header`: data only, nothing in the
-    file is
-    executed) and check every tensor: a supported block type, at most 2 dimensions, a byte range inside the file's
-    data section, aligned, of the size its shape needs, shared with no other tensor.
+    file is executed) and check every tensor: a supported block type, at most 2 dimensions, a byte range inside the
+    file's data section, aligned, of the size its shape needs, shared with no other tensor.
 
     Raises:
         FileNotFoundError: no such file.

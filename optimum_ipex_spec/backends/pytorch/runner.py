@@ -22,10 +22,8 @@ class TorchDecoderRunner(Runner):
     """Our decoder for plain forwards on its own cache; transformers' forward for the rest. With
     ``torch_compile=True`` (fp32 or bf16; dense or int8 weights), one-token steps and chunks on a non-empty cache,
     batch 1 unpadded, run a :class:`~optimum_ipex_spec.backends.pytorch.compiled_step.CompiledDecodeStep` (the graph
-    single
-    tokens run on compiled in :meth:`warmup`; the eager decoder if compiling fails, logged); the eager decoder serves
-    the
-    prefill and padded batches on the model's own weights."""
+    single tokens run on compiled in :meth:`warmup`; the eager decoder if compiling fails, logged); the eager decoder
+    serves the prefill and padded batches on the model's own weights."""
 
     backend = "torch"
     can_draft = True
@@ -64,9 +62,8 @@ class TorchDecoderRunner(Runner):
     @property
     def verify_rows(self):
         """:data:`~optimum_ipex_spec.backends.pytorch.compiled_step.CHUNK_ROWS` while the compiled step runs chunks (a
-        longer chunk
-        runs in pieces of that many tokens), 1 where its chunk graph failed the exact fp32 check (chunks then run one
-        token per call), else None."""
+        longer chunk runs in pieces of that many tokens), 1 where its chunk graph failed the exact fp32 check (chunks
+        then run one token per call), else None."""
         if self.step is None:
             return None
         return 1 if self.step.chunk_exact is False else CHUNK_ROWS
@@ -175,8 +172,7 @@ def _prompt_rows(generation_config, model_kwargs):
 def preallocated_cache_refused(names) -> str:
     """The message for forward arguments ``names`` that need transformers' forward (hidden states, attentions, a
     loss, ...) given together with our :class:`~optimum_ipex_spec.backends.pytorch.cache.PreallocatedKVCache`:
-    transformers'
-    forward would read none of its tokens and write its own past them."""
+    transformers' forward would read none of its tokens and write its own past them."""
     return (f"{', '.join(names)} run(s) transformers' own forward, which cannot read or extend a PreallocatedKVCache "
             "(the pure-PyTorch decoder's cache): pass no cache (forward() and generate() then use transformers' "
             "DynamicCache and return it) or a transformers DynamicCache")
