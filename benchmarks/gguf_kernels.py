@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     import torch
 
     from optimum_ipex_spec.backends.pytorch import gguf_weights
+    from optimum_ipex_spec.kernels import gguf as gguf_kernels
     from optimum_ipex_spec.provisioning.provision import gguf_path
 
     torch.set_num_threads(args.threads)
@@ -41,13 +42,13 @@ def main(argv=None) -> int:
                 if info.rows > 1 and info.block.values > 1 and not name.startswith("token_embd")]
     total = sum(blocks.numel() for blocks, _ in matrices)
     kernels = {}  # mode -> one callable per matrix, x -> x @ W.T
-    isa = gguf_weights.exact_kernel()  # "avx512", "avx2" (OPTIMUM_IPEX_SPEC_GGUF_KERNEL picks another) or None
+    isa = gguf_kernels.exact_kernel()  # "avx512", "avx2" (OPTIMUM_IPEX_SPEC_GGUF_KERNEL picks another) or None
     if isa is not None:
-        kernels[f"exact ({isa})"] = [functools.partial(gguf_weights.exact_mm, isa, blocks=b, qtype=i.block.qtype,
+        kernels[f"exact ({isa})"] = [functools.partial(gguf_kernels.exact_mm, isa, blocks=b, qtype=i.block.qtype,
                                                        k=i.k) for b, i in matrices]
-    fast_isa = gguf_weights.fast_kernel()  # "avx512" (VNNI), "avx2" or None
+    fast_isa = gguf_kernels.fast_kernel()  # "avx512" (VNNI), "avx2" or None
     if fast_isa is not None:
-        fast = getattr(torch.ops, gguf_weights.FAST_KERNELS[fast_isa].namespace)
+        fast = getattr(torch.ops, gguf_kernels.FAST_KERNELS[fast_isa].namespace)
         kernels[f"fast ({fast_isa}), row-major"] = [functools.partial(fast.mm, blocks=b, qtype=i.block.qtype, K=i.k)
                                                     for b, i in matrices]
         # as the fast mode holds them (GGUFLinear decides: interleaved 16 rows at a time where it can, a copy)

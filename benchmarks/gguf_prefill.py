@@ -44,11 +44,12 @@ def main(argv=None) -> int:
     import torch
 
     from optimum_ipex_spec.backends.pytorch import gguf_weights
+    from optimum_ipex_spec.kernels import gguf as gguf_kernels
     from optimum_ipex_spec.provisioning.provision import gguf_path
 
     torch.set_num_threads(args.threads)
     peak_before = fma_peak_gfma()
-    kernel = gguf_weights.exact_kernel()
+    kernel = gguf_kernels.exact_kernel()
     path = args.target if args.target.endswith(".gguf") else str(gguf_path(args.target))
     gguf = gguf_weights.read_gguf(path)
     layers = [(name, info) for name, info in gguf.tensors.items()
@@ -65,9 +66,9 @@ def main(argv=None) -> int:
                 info = gguf.tensors[names[0]]
                 blocks = gguf.blocks(names[0])
                 start = time.perf_counter()
-                gguf_weights.exact_mm(kernel, x[m, info.k], blocks, info.block.qtype, info.k)
+                gguf_kernels.exact_mm(kernel, x[m, info.k], blocks, info.block.qtype, info.k)
                 times[m, key]["exact"].append(time.perf_counter() - start)
-                dense = gguf_weights.exact_dequantize(kernel, blocks, info.block.qtype, info.k)
+                dense = gguf_kernels.exact_dequantize(kernel, blocks, info.block.qtype, info.k)
                 start = time.perf_counter()
                 torch.matmul(x[m, info.k], dense.t())
                 times[m, key]["matmul"].append(time.perf_counter() - start)

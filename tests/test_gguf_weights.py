@@ -19,7 +19,9 @@ import torch
 
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.backends.pytorch import gguf_weights as gw
-from optimum_ipex_spec.backends.pytorch.gguf_weights import BLOCK_TYPES, GGUFEmbedding, GGUFError, GGUFLinear
+from optimum_ipex_spec.kernels import gguf as gk
+from optimum_ipex_spec.backends.pytorch.gguf_weights import GGUFEmbedding, GGUFError, GGUFLinear
+from optimum_ipex_spec.kernels.gguf import BLOCK_TYPES
 
 from conftest import speculation_arguments
 
@@ -72,25 +74,25 @@ def gguf_dequantize(blocks: np.ndarray, block) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not gw.gguf_kernel_available():
+    if not gk.gguf_kernel_available():
         pytest.skip("the GGUF kernel needs AVX2 (or AVX-512) and a C++ compiler here; the reference path is tested "
                     "below")
 
 
 def built_here(build):
-    """``build`` (a :class:`gw.Build`) loaded: skipped where this CPU lacks its instructions, failed where it does
+    """``build`` (a :class:`gk.Build`) loaded: skipped where this CPU lacks its instructions, failed where it does
     not build."""
-    if not build.cpu_flags <= gw._cpu_flags():
-        pytest.skip(f"this CPU lacks {', '.join(sorted(build.cpu_flags - gw._cpu_flags()))}")
-    if not gw._built(build):
+    if not build.cpu_flags <= gk._cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(build.cpu_flags - gk._cpu_flags()))}")
+    if not gk._built(build):
         pytest.fail(f"{build.namespace} did not build here (see the log)")
     return build
 
 
-@pytest.fixture(params=list(gw.EXACT_KERNELS))
+@pytest.fixture(params=list(gk.EXACT_KERNELS))
 def isa(request):
     """Each build of the exact kernel this CPU runs (AVX-512, AVX2), called directly."""
-    built_here(gw.EXACT_KERNELS[request.param])
+    built_here(gk.EXACT_KERNELS[request.param])
     return request.param
 
 
@@ -103,7 +105,7 @@ def test_kernel_values_are_gguf_dequantization(isa, name):
     block, rng = TYPES[name], np.random.default_rng(1)
     k = _k_for(block)
     blocks = random_blocks(block, 37, k, rng)
-    got = gw.exact_dequantize(isa, torch.from_numpy(blocks), block.qtype, k)
+    got = gk.exact_dequantize(isa, torch.from_numpy(blocks), block.qtype, k)
     assert torch.equal(got, torch.from_numpy(gguf_dequantize(blocks, block)).reshape(37, k))
 
 
@@ -138,11 +140,11 @@ def test_every_row_count_gives_each_row_the_same_bits(isa, threads, name):
         blocks = torch.from_numpy(random_blocks(block, 37, k, rng))
         x = torch.randn(16, k, generator=torch.Generator().manual_seed(0))
         torch.set_num_threads(1)
-        alone = torch.cat([gw.exact_mm(isa, x[m:m + 1], blocks, block.qtype, k) for m in range(16)])
+        alone = torch.cat([gk.exact_mm(isa, x[m:m + 1], blocks, block.qtype, k) for m in range(16)])
         for count in (1, 2):  # the rows of weights split between threads: no bit may change
             torch.set_num_threads(count)
             for rows in range(1, 17):
-                together = gw.exact_mm(isa, x[:rows], blocks, block.qtype, k)
+                together = gk.exact_mm(isa, x[:rows], blocks, block.qtype, k)
                 assert torch.equal(together, alone[:rows]), f"k={k}, {rows} rows, {count} threads"
         weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(37, k)
         assert torch.equal(alone, lanes_reference(x, weight)), "not the kernels' documented sums"
@@ -163,11 +165,11 @@ def test_a_prefill_gives_each_row_the_bits_it_has_alone(isa, threads, name):
         blocks = torch.from_numpy(random_blocks(block, n, k, rng))
         x = torch.randn(max(counts), k, generator=torch.Generator().manual_seed(4))
         torch.set_num_threads(1)
-        alone = torch.cat([gw.exact_mm(isa, x[m:m + 1], blocks, block.qtype, k) for m in range(len(x))])
+        alone = torch.cat([gk.exact_mm(isa, x[m:m + 1], blocks, block.qtype, k) for m in range(len(x))])
         for count in (1, 2):
             torch.set_num_threads(count)
             for rows in counts:
-                assert torch.equal(gw.exact_mm(isa, x[:rows], blocks, block.qtype, k), alone[:rows]), (k, rows, count)
+                assert torch.equal(gk.exact_mm(isa, x[:rows], blocks, block.qtype, k), alone[:rows]), (k, rows, count)
         weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(n, k)
         assert torch.equal(alone[:8], lanes_reference(x[:8], weight)), "not the kernels' documented sums"
 
@@ -199,13 +201,13 @@ def test_every_finite_scale_gives_the_documented_sums(isa, name):
     blocks = torch.from_numpy(blocks)
     weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(rows, k)
     assert torch.isfinite(weight).all()
-    got = gw.exact_dequantize(isa, blocks, block.qtype, k)
+    got = gk.exact_dequantize(isa, blocks, block.qtype, k)
     assert torch.equal(got.view(torch.int32), weight.view(torch.int32))
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(1))
     expected = lanes_reference(x, weight)
     for count in (1, 4):
         for n in (rows, rows - 1, rows - 2):
-            out = gw.exact_mm(isa, x[:count], blocks[:n], block.qtype, k)
+            out = gk.exact_mm(isa, x[:count], blocks[:n], block.qtype, k)
             assert torch.equal(out, expected[:count, :n]), f"{count} rows of x, {n} weight rows"
 
 
@@ -214,7 +216,7 @@ def test_reference_path_without_the_kernel(monkeypatch):
     blocks = torch.from_numpy(random_blocks(block, 9, 256, rng))
     layer = GGUFLinear(blocks, block, 256)
     monkeypatch.setattr(layer, "kernel", None)
-    monkeypatch.setattr(gw, "REFERENCE_ROWS", 4)  # several pieces of rows
+    monkeypatch.setattr(gk, "REFERENCE_ROWS", 4)  # several pieces of rows
     x = torch.randn(5, 256)
     weight = torch.from_numpy(gguf_dequantize(blocks.numpy(), block)).reshape(9, 256)
     out = layer(x)
@@ -445,47 +447,47 @@ def force_kernel(monkeypatch):
     """Sets OPTIMUM_IPEX_SPEC_GGUF_KERNEL for the layers built next; the choice is made again afterwards."""
 
     def force(name):
-        monkeypatch.setenv(gw.KERNEL_VARIABLE, name)
-        gw.exact_kernel.cache_clear()
-        gw.fast_kernel.cache_clear()
+        monkeypatch.setenv(gk.KERNEL_VARIABLE, name)
+        gk.exact_kernel.cache_clear()
+        gk.fast_kernel.cache_clear()
 
     yield force
-    monkeypatch.delenv(gw.KERNEL_VARIABLE, raising=False)
-    gw.exact_kernel.cache_clear()
-    gw.fast_kernel.cache_clear()
+    monkeypatch.delenv(gk.KERNEL_VARIABLE, raising=False)
+    gk.exact_kernel.cache_clear()
+    gk.fast_kernel.cache_clear()
 
 
 def test_the_kernel_variable_picks_a_kernel_or_refuses(kernel, force_kernel, monkeypatch):
     block = TYPES["Q4_K"]
     blocks = torch.from_numpy(random_blocks(block, 4, 256, np.random.default_rng(5)))
     force_kernel("reference")
-    assert gw.exact_kernel() is None and GGUFLinear(blocks, block, 256).kernel is None
-    assert gw.fast_kernel() is None and not GGUFLinear(blocks, block, 256, mode="fast").fast, "no fast mode either"
+    assert gk.exact_kernel() is None and GGUFLinear(blocks, block, 256).kernel is None
+    assert gk.fast_kernel() is None and not GGUFLinear(blocks, block, 256, mode="fast").fast, "no fast mode either"
     force_kernel("AVX2 ")  # case and spaces forgiven
-    assert gw.exact_kernel() == "avx2" and GGUFLinear(blocks, block, 256).kernel == "avx2"
+    assert gk.exact_kernel() == "avx2" and GGUFLinear(blocks, block, 256).kernel == "avx2"
     assert GGUFLinear(blocks, block, 256, mode="fast").fast_kernel == "avx2"
     force_kernel("sse4")
     with pytest.raises(ValueError, match="OPTIMUM_IPEX_SPEC_GGUF_KERNEL='sse4' is not one of auto, avx512, avx2"):
-        gw.exact_kernel()
-    monkeypatch.setattr(gw, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})  # a CPU without AVX-512
+        gk.exact_kernel()
+    monkeypatch.setattr(gk, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})  # a CPU without AVX-512
     force_kernel("avx512")
     with pytest.raises(RuntimeError, match="this CPU lacks avx512bw, avx512f: unset it"):
-        gw.exact_kernel()
+        gk.exact_kernel()
     force_kernel("auto")
-    assert gw.exact_kernel() == "avx2" and gw.fast_kernel() == "avx2"
+    assert gk.exact_kernel() == "avx2" and gk.fast_kernel() == "avx2"
     def no_proc(*args, **kwargs):
         raise OSError("no /proc/cpuinfo here")
 
-    monkeypatch.setattr(gw, "open", no_proc, raising=False)  # the module's open: builtins stay untouched
+    monkeypatch.setattr(gk, "open", no_proc, raising=False)  # the module's open: builtins stay untouched
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert gw._cpu_flags() == {"avx2", "fma", "f16c"}, "without /proc/cpuinfo: torch's capability"
+    assert gk._cpu_flags() == {"avx2", "fma", "f16c"}, "without /proc/cpuinfo: torch's capability"
 
 
-@pytest.mark.parametrize("name", [*gw.EXACT_KERNELS, "reference"])
+@pytest.mark.parametrize("name", [*gk.EXACT_KERNELS, "reference"])
 def test_each_kernel_runs_a_model_and_its_speculation_exactly(qwen_gguf, force_kernel, name):
     """Each path forced on this machine: the kernels give the default kernel's bits, so its tokens; the reference
     (other sums) its own tokens, which speculation keeps."""
-    if name != "reference" and not gw.EXACT_KERNELS[name].cpu_flags <= gw._cpu_flags():
+    if name != "reference" and not gk.EXACT_KERNELS[name].cpu_flags <= gk._cpu_flags():
         pytest.skip(f"this CPU cannot run the {name} kernel")
     force_kernel(name)
     target = IPEXModelForCausalLM.from_pretrained(qwen_gguf["target"].gguf_path)
@@ -501,7 +503,7 @@ def test_each_kernel_runs_a_model_and_its_speculation_exactly(qwen_gguf, force_k
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_compiled_gguf_target_is_lossless(qwen_gguf, mode):
-    if mode == "fast" and not gw.gguf_fast_available():
+    if mode == "fast" and not gk.gguf_fast_available():
         pytest.skip("the fast GGUF mode needs AVX512-VNNI here")
     target = IPEXModelForCausalLM.from_pretrained(os.path.join(qwen_gguf["folder"], "model.gguf"), torch_compile=True,
                                                   gguf_mode=mode)
@@ -575,26 +577,26 @@ def test_a_config_that_does_not_describe_the_file_is_refused(kernel, tiny_gguf, 
 
 @pytest.fixture(scope="module")
 def fast_kernel(kernel):
-    if not gw.gguf_fast_available():
+    if not gk.gguf_fast_available():
         pytest.skip("the fast GGUF mode needs AVX2 (or AVX512-VNNI) and a C++ compiler here")
 
 
-@pytest.fixture(params=list(gw.FAST_KERNELS))
+@pytest.fixture(params=list(gk.FAST_KERNELS))
 def interleaved_ops(request):
     """Each build of the fast kernel this CPU runs (AVX512-VNNI, AVX2), as its operators: ``interleave``,
     ``deinterleave``, ``mm_interleaved`` (the interleaved layout) and ``mm`` (the file's rows)."""
-    return getattr(torch.ops, built_here(gw.FAST_KERNELS[request.param]).namespace)
+    return getattr(torch.ops, built_here(gk.FAST_KERNELS[request.param]).namespace)
 
 
 def _fast_ops():
     """The operators of the fast kernel this process picked."""
-    return getattr(torch.ops, gw.FAST_KERNELS[gw.fast_kernel()].namespace)
+    return getattr(torch.ops, gk.FAST_KERNELS[gk.fast_kernel()].namespace)
 
 
-@pytest.fixture(params=list(gw.FAST_KERNELS))
+@pytest.fixture(params=list(gk.FAST_KERNELS))
 def fast_mm(request):
     """Each build of the fast kernel this CPU runs (AVX512-VNNI, AVX2), as ``mm(x, blocks, qtype, k)``."""
-    return getattr(torch.ops, built_here(gw.FAST_KERNELS[request.param]).namespace).mm
+    return getattr(torch.ops, built_here(gk.FAST_KERNELS[request.param]).namespace).mm
 
 
 def _fast_reference(x: torch.Tensor, blocks: np.ndarray, block) -> torch.Tensor:
@@ -656,8 +658,8 @@ def test_the_interleaved_layout_holds_the_same_blocks_and_multiplies_as_the_fast
 def test_both_interleaved_kernels_give_the_same_bits(name):
     """On the interleaved layout the AVX2 kernel computes the VNNI kernel's integer sums and then the same fp32
     operations per lane, so a model in the fast mode gives the same tokens on either CPU (checked where both run)."""
-    vnni = getattr(torch.ops, built_here(gw.FAST_KERNELS["avx512"]).namespace)
-    avx2 = getattr(torch.ops, built_here(gw.FAST_KERNELS["avx2"]).namespace)
+    vnni = getattr(torch.ops, built_here(gk.FAST_KERNELS["avx512"]).namespace)
+    avx2 = getattr(torch.ops, built_here(gk.FAST_KERNELS["avx2"]).namespace)
     block, rng = TYPES[name], np.random.default_rng(11)
     k = 512
     blocks = torch.from_numpy(random_blocks(block, 32, k, rng))

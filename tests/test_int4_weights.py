@@ -17,6 +17,7 @@ import torch
 
 from optimum_ipex_spec import IPEXModelForCausalLM
 from optimum_ipex_spec.backends.pytorch import gguf_weights as gw
+from optimum_ipex_spec.kernels import gguf as gk
 from optimum_ipex_spec.backends.pytorch.gguf_weights import GGUFLinear
 from optimum_ipex_spec.backends.pytorch.int4_weights import Q4_1, Q4_K, int4_block, quantize_int4
 
@@ -165,7 +166,7 @@ def test_a_tied_q4_k_model_is_its_dequantized_model():
 
 @pytest.mark.parametrize("mode, compiled", [("exact", False), ("fast", False), ("fast", True)])
 def test_speculation_over_a_q4_k_target_is_lossless(mode, compiled):
-    if mode == "fast" and not gw.gguf_fast_available():
+    if mode == "fast" and not gk.gguf_fast_available():
         pytest.skip("the fast mode needs AVX2 (or AVX512-VNNI) here")
     model, _ = _tied_llama()
     target = IPEXModelForCausalLM.from_transformers_model(model, weights="int4", gguf_mode=mode,
@@ -191,7 +192,7 @@ def test_a_verification_chunk_gives_each_token_its_decode_steps_bits(mode, kv_he
     decode steps give them (the fast mode's int8 rounding would turn a last-bit difference in attention into a
     visible one: a real prompt's greedy tokens changed under speculation before the chunk's rows attended one at a
     time). Grouped-query and multi-head attention; an MLP activation that ATen splits among threads."""
-    if mode == "fast" and not gw.gguf_fast_available():
+    if mode == "fast" and not gk.gguf_fast_available():
         pytest.skip("the fast mode needs AVX2 (or AVX512-VNNI) here")
     model, _ = _tied_llama(intermediate=intermediate, kv_heads=kv_heads)
     decoder = IPEXModelForCausalLM.from_transformers_model(model, weights="int4", gguf_mode=mode).runner.decoder
@@ -270,7 +271,7 @@ def test_sampling_over_an_int4_target(int4):
 
 @pytest.mark.parametrize("mode, compiled", [("fast", False), ("exact", True), ("fast", True)])
 def test_int4_modes_and_compiled_targets_are_lossless(int4, mode, compiled):
-    if mode == "fast" and not gw.gguf_fast_available():
+    if mode == "fast" and not gk.gguf_fast_available():
         pytest.skip("the fast mode needs AVX2 (or AVX512-VNNI) here")
     target = IPEXModelForCausalLM.from_pretrained(int4["folder"], export=True, weights="int4", gguf_mode=mode,
                                                   torch_compile=compiled)

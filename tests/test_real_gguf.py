@@ -95,7 +95,7 @@ def test_speculation_over_the_fast_mode_is_lossless(qwen_gguf, kind):
     """The fast mode on the real file (its Q5_0 / Q8_0 / Q4_K / Q6_K layers interleaved, 16 rows at a time, with
     AVX512-VNNI or AVX2), the untied embedding table row-major; a draft's verification returns the fast
     target's own greedy tokens."""
-    from optimum_ipex_spec.backends.pytorch.gguf_weights import fast_kernel
+    from optimum_ipex_spec.kernels.gguf import fast_kernel
 
     if fast_kernel() is None:
         pytest.skip("the fast GGUF mode needs AVX2 (or AVX512-VNNI) and a C++ compiler here")

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.gguf import MODES
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ def check_options(torch_dtype, backend: str, kwargs: dict) -> None:
             precision); ``backend="ipex"``; ``export=False``; options of a hub download (``revision``, ``subfolder``,
             ``token``...) or ``trust_remote_code``; a ``gguf_mode`` other than "exact" and "fast".
     """
-    from ..backends.pytorch.gguf_weights import MODES
-
     mode = kwargs.get("gguf_mode")
     if mode is not None and mode not in MODES:
         raise ValueError(f"gguf_mode must be one of {MODES}, got {mode!r}")

@@ -27,7 +27,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .gguf_weights import BLOCK_TYPES, LAYER_PROJECTIONS, BlockType, GGUFEmbedding, GGUFLinear, row_bytes
+from ...kernels.gguf import BLOCK_TYPES, MODES, BlockType, row_bytes
+from .gguf_weights import LAYER_PROJECTIONS, GGUFEmbedding, GGUFLinear
 
 #: the block types ``weights="int4"`` holds: Q4_K where a row is a multiple of 256 values, else Q4_1
 Q4_K, Q4_1 = BLOCK_TYPES[12], BLOCK_TYPES[3]
@@ -128,7 +129,7 @@ def quantize_model_int4(model: torch.nn.Module, mode: str = "exact") -> torch.nn
     a tied head multiplies the embedding's blocks (held once). Returns ``model``.
 
     Args:
-        mode: the kernels' mode, "exact" or "fast" (:data:`~optimum_ipex_spec.backends.pytorch.gguf_weights.MODES`).
+        mode: the kernels' mode, "exact" or "fast" (:data:`~optimum_ipex_spec.kernels.gguf.MODES`).
 
     Raises:
         ValueError: ``model`` is not fp32; a matrix :func:`quantize_int4` refuses.
@@ -159,7 +160,6 @@ def check_load_options(weights: str, torch_dtype, backend: str, gguf_mode: Optio
         ValueError: as above, naming the fix.
     """
     from ...facts import resolve_dtype
-    from .gguf_weights import MODES
 
     if weights not in ("dense", "int8", "int4"):
         raise ValueError(f"from_pretrained takes weights='dense' (default), 'int8', 'int4' (quantized at load) or "
