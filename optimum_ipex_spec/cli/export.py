@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..loading.export_folder import carry_over, foreign_files, has_export
-from ..facts import EXPORT_CONFIG_NAME, TASKS
+from ..facts import EXPORT_CONFIG_NAME, TASKS, check_causal_lm_config
 from ..loading.manifest import write_manifest
 from ..utils.fs import looks_like_local_path, staged_directory
 
@@ -61,8 +61,6 @@ class ValidationReport:
 
 
 def infer_task(config) -> str:
-    from ..facts import check_causal_lm_config
-
     check_causal_lm_config(config, getattr(config, "_name_or_path", "model"))
     return "text-generation-with-past"
 

@@ -20,6 +20,7 @@ import os
 import re
 from typing import Optional
 
+from ..backends.ipex.export import IPEXGraphs, load_ipex_graphs
 from ..compat import parse_version, same_ipex_release
 from ..facts import (
     DATA_ONLY_FORMAT_VERSION,
@@ -31,6 +32,9 @@ from ..facts import (
     IPEX_PIP_COMMAND,
     IPEX_VERIFY_GRAPH_NAME,
 )
+from ..utils import import_utils
+from ..utils.fs import link_or_copy
+from ..utils.import_utils import IPEXNotAvailableError
 from .manifest import TOKENIZER_SUFFIXES, HashCheck, check_folder, check_names, is_unread
 
 logger = logging.getLogger("optimum_ipex_spec")
@@ -109,8 +113,6 @@ def carry_over(old: str, new: str, skip: tuple = ()) -> list:
     hard links (copies where links cannot be made): the files share the old folder's inodes, which the swap then
     deletes. The old tokenizer's files only when the new save wrote none (a tokenizer is kept whole, never mixed);
     ``skip``: names the caller writes itself (the CLI's ``draft-bf16``). Returns the names carried."""
-    from ..utils.fs import link_or_copy
-
     new_has_tokenizer = any(is_tokenizer_file(name) for name in os.listdir(new))
     carried = []
     for name in carried_over(old):
@@ -399,8 +401,6 @@ def check_ipex_for_saved_graph(model_id: str, meta: dict, status) -> None:
         RuntimeError: exported with another IPEX release (major.minor).
         ValueError: a bf16 graph on a CPU whose oneDNN has no bf16 (AVX2 only): IPEX cannot run it here.
     """
-    from ..utils.import_utils import IPEXNotAvailableError, ipex_dtype_unsupported
-
     if not status.available:
         raise IPEXNotAvailableError(
             f"{model_id} holds a graph exported with IPEX {meta.get('ipex_version')} (torch "
@@ -413,7 +413,7 @@ def check_ipex_for_saved_graph(model_id: str, meta: dict, status) -> None:
             f"{model_id} was exported with IPEX {saved} but IPEX {status.ipex_version} is installed; "
             "re-export it with IPEXModelForCausalLM.from_pretrained(original_checkpoint, export=True)"
         )
-    unsupported = ipex_dtype_unsupported(str(meta.get("torch_dtype")))
+    unsupported = import_utils.ipex_dtype_unsupported(str(meta.get("torch_dtype")))
     if unsupported:
         raise ValueError(
             f"{model_id} holds an IPEX graph exported in {meta.get('torch_dtype')}, and {unsupported}. Export the "
@@ -430,8 +430,6 @@ def load_graphs(folder: str, meta: dict):
         FileNotFoundError: ``ipex_model.pt`` missing.
         ValueError: a file that TorchScript cannot load.
     """
-    from ..backends.ipex.export import IPEXGraphs
-
     graphs = _load_graph_file(folder, IPEX_GRAPH_NAME, meta, required=True)
     if graphs.verify is None:  # export format 1
         legacy = _load_graph_file(folder, IPEX_VERIFY_GRAPH_NAME, meta, required=False)
@@ -440,8 +438,6 @@ def load_graphs(folder: str, meta: dict):
 
 
 def _load_graph_file(folder: str, name: str, meta: dict, required: bool):
-    from ..backends.ipex.export import load_ipex_graphs
-
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         if required:

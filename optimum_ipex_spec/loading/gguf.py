@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from ..backends.pytorch.gguf_weights import ARCHITECTURES
+from ..compat import gguf_config_mapping
 from ..kernels.gguf import MODES
 
 logger = logging.getLogger(__name__)
@@ -115,9 +117,6 @@ def config_from_metadata(gguf):
     our header reader steps over it (:mod:`~optimum_ipex_spec.kernels.gguf_header`). A test compares both configs on
     every provisioned file."""
     from transformers import AutoConfig
-
-    from ..compat import gguf_config_mapping
-    from ..backends.pytorch.gguf_weights import ARCHITECTURES
 
     fields, architecture = gguf.fields, gguf.architecture
     name = fields.get("general.name")

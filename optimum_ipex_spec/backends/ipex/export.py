@@ -37,6 +37,9 @@ from typing import Optional
 import torch
 
 from ...facts import IPEX_OPTIMIZED_MARK, LLAMA_FAMILY_ARCHITECTURES, dtype_name
+from ...utils.import_utils import require_ipex, require_ipex_dtype
+from .cache import IPEXFusedCache
+from .patching import exact_chunk_attention_patch, shared_rotary_tables_patch
 
 logger = logging.getLogger("optimum_ipex_spec")
 
@@ -86,9 +89,6 @@ def export_to_ipex(model: torch.nn.Module, dtype: torch.dtype) -> "IPEXGraphs":
         IPEXNotAvailableError: IPEX cannot be imported.
         RuntimeError: ``ipex.llm.optimize`` left the model unconverted (it falls back silently).
     """
-    from .patching import shared_rotary_tables_patch
-    from ...utils.import_utils import require_ipex, require_ipex_dtype
-
     require_ipex()
     import intel_extension_for_pytorch as ipex
 
@@ -337,9 +337,6 @@ def trace_graphs(optimized: torch.nn.Module, dtype: torch.dtype):
     """Trace ``optimized`` (the module ``ipex.llm.optimize`` converted) twice, unfrozen: on an 8-token prompt
     (decode graph) and, with :func:`exact_chunk_attention`, on a 4-token chunk over that prompt's cache (verify
     graph). Returns ``(decode, verify)``; both share ``optimized``'s parameters."""
-    from .cache import IPEXFusedCache
-    from .patching import exact_chunk_attention_patch
-
     num_layers = optimized.config.num_hidden_layers
     prompt = torch.ones(1, 8, dtype=torch.long)
 
@@ -400,8 +397,6 @@ def load_ipex_graphs(path: str) -> "IPEXGraphs":
 
 def load_ipex_graph(path: str) -> torch.jit.ScriptModule:
     """Load a graph saved by :func:`save_ipex_graph` (IPEX must be importable: it registers the ops)."""
-    from ...utils.import_utils import require_ipex
-
     require_ipex()
     import intel_extension_for_pytorch  # noqa: F401  (registers torch.ops.torch_ipex.*)
 

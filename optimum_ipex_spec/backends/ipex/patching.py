@@ -30,7 +30,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Sequence
 
+from ...compat import ipex_older_than, needs_module_crop_hook
 from ...facts import MIN_IPEX_FOR_ASSISTED
+from ...utils import import_utils
+from .cache import IPEXFusedCache
+
 _INHERITED = object()
 
 
@@ -125,8 +129,6 @@ def required_crop_hooks(transformers_version: str, cache_cls: type) -> List[Patc
     """
     from transformers.cache_utils import DynamicCache
 
-    from ...compat import needs_module_crop_hook
-
     if issubclass(cache_cls, DynamicCache) and hasattr(cache_cls, "crop"):
         return []
     if needs_module_crop_hook(transformers_version):
@@ -158,8 +160,6 @@ def _module_crop_hooks(cache_cls: type) -> List[Patch]:
 
 def check_ipex_version_for_assisted(ipex_version: str) -> None:
     """Raise :class:`UnsupportedIPEXVersionError` for IPEX older than 2.4."""
-    from ...compat import ipex_older_than
-
     if ipex_older_than(ipex_version, MIN_IPEX_FOR_ASSISTED):
         raise UnsupportedIPEXVersionError(
             f"assisted generation with an IPEX model needs intel-extension-for-pytorch >= {MIN_IPEX_FOR_ASSISTED} "
@@ -173,10 +173,7 @@ def generation_patches(assisted: bool) -> Iterator[None]:
     """Scope of one ``generate()`` call in which an IPEX model takes part (target or assistant)."""
     import transformers
 
-    from .cache import IPEXFusedCache
-    from ...utils.import_utils import ipex_status
-
-    status = ipex_status()
+    status = import_utils.ipex_status()  # looked up at each call (tests stand in a fake IPEX)
     if assisted and status.ipex_version:
         check_ipex_version_for_assisted(status.ipex_version)
     patches = required_crop_hooks(transformers.__version__, IPEXFusedCache) if assisted else []

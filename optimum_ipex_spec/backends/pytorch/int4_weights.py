@@ -27,6 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ...facts import resolve_dtype
 from ...kernels.gguf import BLOCK_TYPES, MODES, BlockType, row_bytes
 from .gguf_weights import LAYER_PROJECTIONS, GGUFEmbedding, GGUFLinear
 
@@ -159,8 +160,6 @@ def check_load_options(weights: str, torch_dtype, backend: str, gguf_mode: Optio
     Raises:
         ValueError: as above, naming the fix.
     """
-    from ...facts import resolve_dtype
-
     if weights not in ("dense", "int8", "int4"):
         raise ValueError(f"from_pretrained takes weights='dense' (default), 'int8', 'int4' (quantized at load) or "
                          f"'gguf' (a GGUF file's blocks as shipped), got {weights!r}")
