@@ -1,5 +1,5 @@
-"""What one pass over a model's matrices costs on optimum_ipex_spec.kernels.packed_gemm's kernel, per row count and
-dtype.
+"""What one pass over a model's matrices costs on optimum_ipex_spec.kernels.packed_gemm's kernel, per row count
+and dtype.
 
 The memory side of the compiled decode step (torch_compile=True): each of the model's projections and its LM head
 (random weights of its config's shapes) multiplied once per pass by ``rows`` rows, through ``PackedLinear`` (the

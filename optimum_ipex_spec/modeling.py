@@ -1,8 +1,9 @@
 """``IPEXModelForCausalLM``: the transformers / optimum surface of a causal LM that runs IPEX's fused, traced graph.
 
-Data flow: :mod:`.exporters.ipex` turns a transformers model into traced TorchScript graphs with IPEX's fused
-kernels (or, without IPEX, the model stays a PyTorch module); a runner (:mod:`.runners`, chosen once per model)
-runs the forward over its cache; :mod:`.strategy` picks the candidate generator of assisted generation; this
+Data flow: :mod:`.backends.ipex.export` turns a transformers model into traced TorchScript graphs with IPEX's
+fused kernels (or, without IPEX, the model stays a PyTorch module); a runner (:mod:`.backends`, chosen once per
+model) runs the forward over its cache; :mod:`.speculative.strategy` picks the candidate generator of assisted
+generation; this
 module is the optimum ``OptimizedModel`` that is also a transformers ``GenerationMixin``, so ``generate()``,
 streamers, stopping criteria and ``pipeline("text-generation")`` work as with transformers.
 """

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from optimum_ipex_spec import IPEXModelForCausalLM
-from optimum_ipex_spec.backends.pytorch import gguf_weights as gw
 from optimum_ipex_spec.kernels import gguf as gk
 from optimum_ipex_spec.backends.pytorch.gguf_weights import GGUFLinear
 from optimum_ipex_spec.backends.pytorch.int4_weights import Q4_1, Q4_K, int4_block, quantize_int4

@@ -55,7 +55,7 @@ BLOCK_TYPES: Dict[int, BlockType] = {t.qtype: t for t in (
 #: weight rows the reference path dequantizes at a time (bounds its temporary fp32 copy)
 REFERENCE_ROWS = 1024
 
-#: how a :class:`GGUFLinear` multiplies: "exact" (fp32 activations times the exact dequantized weights) or "fast"
+#: how a :class:`~optimum_ipex_spec.backends.pytorch.gguf_weights.GGUFLinear` multiplies: "exact" (fp32 activations times the exact dequantized weights) or "fast"
 #: (activations rounded to int8 per block, integer dot products, as llama.cpp does: its own outputs)
 MODES = ("exact", "fast")
 #: block types the fast kernel runs (F16 / F32 tensors, and rows not a multiple of 64 values, stay exact)
@@ -191,7 +191,7 @@ def _wanted_kernel() -> str:
 def exact_kernel() -> Optional[str]:
     """The exact kernel that multiplies here: "avx512" (``torch.ops.optimum_ipex_spec_gguf``), "avx2"
     (``torch.ops.optimum_ipex_spec_gguf_avx2``: the same bits, slower), or None, logged once, where neither runs (no
-    AVX2, no C++ compiler): :class:`GGUFLinear` then multiplies through :func:`reference_mm`. Decided once per
+    AVX2, no C++ compiler): :class:`~optimum_ipex_spec.backends.pytorch.gguf_weights.GGUFLinear` then multiplies through :func:`reference_mm`. Decided once per
     process (the build cached on disk); :data:`KERNEL_VARIABLE` overrides the choice.
 
     Raises:

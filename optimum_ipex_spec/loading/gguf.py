@@ -5,8 +5,8 @@ it makes before any tensor is read. The model itself is built by
 Three ways to name the file, as transformers users name one (its ``gguf_file=`` keyword):
 
 * a provisioned model name with ``weights="gguf"``: the GGUF its package ships
-(:func:`~optimum_ipex_spec.provisioning.provision.
-  gguf_path`), with the provisioned folder's config, generation config and tokenizer;
+  (:func:`~optimum_ipex_spec.provisioning.provision.gguf_source`, called by ``from_pretrained``), with the
+  provisioned folder's config, generation config and tokenizer;
 * a folder and ``gguf_file="name.gguf"`` inside it: the folder's ``config.json`` when it has one, else the config
   transformers reads from the GGUF's metadata;
 * a path to a ``.gguf`` file.

@@ -41,7 +41,6 @@ from typing import Callable, Dict, Optional
 
 from ..utils.fs import CACHE_ENV, default_cache_dir, staged_directory
 from ..compat import reads_gemma3_gguf
-from ..loading.gguf import GGUFSource
 from ..loading.manifest import digest_of_unchanged_file, record_verified, verified_before
 from ..facts import MODEL_ALIASES
 
@@ -68,7 +67,7 @@ class ModelSpec:
 
 
 
-def gguf_source(name: str, gguf_file: Optional[str] = None) -> GGUFSource:
+def gguf_source(name: str, gguf_file: Optional[str] = None) -> "GGUFSource":
     """The GGUF file a provisioned model's package ships and its provisioned folder (config, generation config,
     tokenizer), for ``from_pretrained(name, weights="gguf")``.
 
@@ -76,6 +75,8 @@ def gguf_source(name: str, gguf_file: Optional[str] = None) -> GGUFSource:
         ValueError: ``gguf_file`` given (the file is known).
         ProvisionError: the model's package is missing or its file fails its checksum.
     """
+    from ..loading.gguf import GGUFSource  # here: the loading of GGUF files imports torch, this module does not
+
     if gguf_file is not None:
         raise ValueError(f"{name} is a provisioned model: its GGUF file is known, drop gguf_file=")
     return GGUFSource(str(gguf_path(name)), resolve_model(name))

@@ -1,5 +1,5 @@
 // Products of fp32 activations by GGUF block-quantized weights, held as the file ships them, for
-// optimum_ipex_spec.backends.pytorch.gguf_weights (which builds this file at the first use and holds the PyTorch reference).
+// optimum_ipex_spec.kernels.gguf (which builds this file at the first use and holds the PyTorch reference).
 //
 // Operators (namespace optimum_ipex_spec_gguf):
 //   dequantize(blocks uint8 [N, row_bytes], qtype, K) -> fp32 [N, K]
